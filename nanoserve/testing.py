@@ -1,0 +1,82 @@
+"""Tiny random Llama checkpoints for tests and notebooks, written by HuggingFace itself.
+
+Each checkpoint is a real directory (`config.json`, `model.safetensors`, tokenizer files) saved
+by `LlamaForCausalLM.save_pretrained`, so loading it exercises nanoserve's loader exactly as a
+downloaded model would. The tokenizer is the bundled tiny model's byte-level BPE.
+
+Random weights drawn with the usual tiny std (0.02) give nearly flat logits: greedy decoding
+then repeats one token, and a test that compares such outputs proves little. `init_std` scales
+the weights so that logits are spread out and generations vary.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.tiny import TINY_MODEL_DIR
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# The exact shape of Llama-3.2-1B (its config.json, minus the weights).
+LLAMA_3_2_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+    max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+    eos_token_id=128001,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """A small Llama config dict (GQA 4:2, llama3 rope scaling, tied), with overrides."""
+    cfg = dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=128),
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def make_hf_model(config: dict[str, Any], seed: int = 0, init_std: float | None = None):
+    """A `LlamaForCausalLM` in float32 with seeded random weights (std `init_std`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = LlamaConfig(**config)
+    if init_std is not None:
+        hf_config.initializer_range = init_std
+    model = LlamaForCausalLM(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # norms start at 1; jitter them so bugs show
+                p.uniform_(0.8, 1.2)
+    return model
+
+
+def save_checkpoint(model, path: str | Path, max_shard_size: str | None = None,
+                    with_tokenizer: bool = True) -> Path:
+    """Write `model` as a HF checkpoint directory, with the tiny model's tokenizer files."""
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        for name in TOKENIZER_FILES:
+            src = TINY_MODEL_DIR / name
+            if src.exists():
+                shutil.copy(src, path / name)
+    return path
+
+
+def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed: int = 0,
+                    init_std: float = 0.15, **save_kwargs: Any):
+    """Build a random HF model, save it to `path`, return (path, the HF model)."""
+    model = make_hf_model(config or tiny_config(), seed=seed, init_std=init_std)
+    return save_checkpoint(model, path, **save_kwargs), model
