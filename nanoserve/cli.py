@@ -1,0 +1,84 @@
+"""The `nanoserve` command line: `generate`, `compare` (and, in later weeks, `serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from nanoserve.generate import greedy_generate_no_cache
+    from nanoserve.loader import load_model, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, dtype=DTYPES[args.dtype], device=args.device or _default_device())
+    ids = tok(args.prompt).input_ids
+    start = time.perf_counter()
+    new = greedy_generate_no_cache(model, ids, args.max_tokens, stop_ids=model.config.eos_token_ids)
+    elapsed = time.perf_counter() - start
+    print(args.prompt + tok.decode(new, skip_special_tokens=True))
+    print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from nanoserve.compare import compare_with_hf, first_divergence, format_report
+    from nanoserve.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    ids = AutoTokenizer.from_pretrained(model_dir)(args.prompt).input_ids
+    diffs = compare_with_hf(str(model_dir), ids)
+    print(f"{len(ids)} tokens through {model_dir}")
+    print(format_report(diffs, args.rtol))
+    return 0 if first_divergence(diffs, args.rtol) is None else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_model(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="tiny",
+                       help="checkpoint directory, hub id (e.g. meta-llama/Llama-3.2-1B) or 'tiny' (bundled)")
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    add_model(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=48)
+    gen.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.set_defaults(func=cmd_generate)
+
+    cmp = sub.add_parser("compare", help="per-layer differences between nanoserve and HuggingFace")
+    add_model(cmp)
+    cmp.add_argument("prompt")
+    cmp.add_argument("--rtol", type=float, default=1e-4)
+    cmp.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:  # user errors: a message, not a traceback
+        print(f"nanoserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
