@@ -1,0 +1,235 @@
+"""KV caches, and the attention contexts that read and write them.
+
+Week 3, the naive cache: one contiguous slab per sequence, sized for the longest sequence it
+might ever hold. Simple, and wasteful: a 20-token answer reserves as much memory as a 2000-token
+one.
+
+Week 4, the paged cache: one shared pool of fixed-size blocks per layer. A sequence owns a list
+of blocks (its *block table*) and grows one block at a time, so it wastes at most one partly
+filled block. The `BlockAllocator` hands blocks out and takes them back.
+
+Week 5, `PagedContext`: the attention context that writes each new token's K/V into its slot
+of the pool and reads every sequence's keys and values back through its block table. Its
+PyTorch implementation here is the ground truth for week 6's Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+from nanoserve.attention import causal_attention
+
+# ------------------------------------------------------------------------ week 3: naive cache
+
+
+class NaiveKVCache:
+    """k, v: [num_layers, max_seqs, max_len, num_kv_heads, head_dim], one slab per sequence slot."""
+
+    def __init__(self, num_layers: int, max_seqs: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, max_seqs, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+class NaiveCacheContext:
+    """One forward pass over a batch of sequences, each in its own cache slot.
+
+    Sequence i owns slot `slots[i]`, already holds `cached_lens[i]` tokens, and brings
+    `new_lens[i]` new tokens this step (the whole prompt at prefill, then 1 per decode step).
+    """
+
+    def __init__(self, cache: NaiveKVCache, slots: list[int], cached_lens: list[int], new_lens: list[int]):
+        self.cache = cache
+        self.slots, self.cached_lens, self.new_lens = slots, cached_lens, new_lens
+        self.cu_seqlens = [0]
+        for n in new_lens:
+            self.cu_seqlens.append(self.cu_seqlens[-1] + n)
+        for start, n in zip(cached_lens, new_lens):
+            if start + n > cache.max_len:
+                raise ValueError(f"sequence of {start + n} tokens does not fit the cache's {cache.max_len}")
+
+    @property
+    def last_token_indices(self) -> list[int]:
+        return [end - 1 for end in self.cu_seqlens[1:]]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # >>> week03: naive-cache-attend
+        outs = []
+        for i, slot in enumerate(self.slots):
+            a, b = self.cu_seqlens[i], self.cu_seqlens[i + 1]
+            start, end = self.cached_lens[i], self.cached_lens[i] + self.new_lens[i]
+            self.cache.k[layer_idx, slot, start:end] = k[a:b]
+            self.cache.v[layer_idx, slot, start:end] = v[a:b]
+            keys = self.cache.k[layer_idx, slot, :end]  # [end, Hkv, D]: the past and the new
+            values = self.cache.v[layer_idx, slot, :end]
+            outs.append(causal_attention(q[a:b], keys, values, q_start=start))
+        return torch.cat(outs, dim=0)
+        # <<< week03: naive-cache-attend
+
+
+def naive_cache_waste(lengths: list[int], max_len: int) -> int:
+    """Token slots reserved but unused by a naive cache holding sequences of these lengths."""
+    return sum(max_len - n for n in lengths)
+
+
+# ------------------------------------------------------------------------ week 4: paged cache
+
+
+class OutOfBlocks(RuntimeError):
+    """The block pool has no free block left (the scheduler must wait, or preempt someone)."""
+
+
+class BlockAllocator:
+    """A free list of physical block ids 0 .. num_blocks - 1."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.used)
+
+    def allocate(self) -> int:
+        # >>> week04: allocate
+        if not self.free_blocks:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block = self.free_blocks.popleft()
+        self.used.add(block)
+        return block
+        # <<< week04: allocate
+
+    def free(self, block: int) -> None:
+        # >>> week04: free
+        if block not in self.used:
+            raise ValueError(f"block {block} is not allocated (double free?)")
+        self.used.remove(block)
+        self.free_blocks.append(block)
+        # <<< week04: free
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+    return math.ceil(num_tokens / block_size)
+
+
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The physical slot (row of the flattened pool) that holds token `position`.
+
+    Logical block `position // block_size` of the sequence is physical block
+    `block_table[position // block_size]`; within it, the token sits at `position % block_size`.
+    """
+    # >>> week04: slot-of
+    return block_table[position // block_size] * block_size + position % block_size
+    # <<< week04: slot-of
+
+
+def paged_cache_waste(lengths: list[int], block_size: int) -> int:
+    """Token slots allocated but unused: only each sequence's last, partly filled block."""
+    return sum(blocks_needed(n, block_size) * block_size - n for n in lengths)
+
+
+class PagedKVCache:
+    """The block pool: k, v [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Layout: a block is `block_size` consecutive tokens, each holding all its KV heads, so one
+    token's K (or V) for one layer is one contiguous row of `num_kv_heads * head_dim` values, and
+    writing a new token is a single row store. Viewed flat, a layer's pool is [num_slots,
+    num_kv_heads, head_dim] with slot = block * block_size + offset.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize  # 2: K and V
+
+    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V. slots [T] (int64); k, v [T, Hkv, D]."""
+        # >>> week05: write-kv
+        flat_k = self.k[layer_idx].view(-1, *self.k.shape[-2:])  # [num_slots, Hkv, D], no copy
+        flat_v = self.v[layer_idx].view(-1, *self.v.shape[-2:])
+        flat_k[slots] = k
+        flat_v[slots] = v
+        # <<< week05: write-kv
+
+    def gather(self, layer_idx: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` keys and values, in order: two [length, Hkv, D] tensors."""
+        # >>> week05: gather-kv
+        n_blocks = blocks_needed(length, self.block_size)
+        blocks = block_table[:n_blocks]
+        k = self.k[layer_idx, blocks].flatten(0, 1)[:length]  # [n_blocks * block_size, Hkv, D] -> [length, ...]
+        v = self.v[layer_idx, blocks].flatten(0, 1)[:length]
+        return k, v
+        # <<< week05: gather-kv
+
+
+# --------------------------------------------------------------- week 5: the paged context
+
+
+class PagedContext:
+    """Attention over the paged cache for one step of a packed batch.
+
+    For N sequences and T new tokens in total:
+      slot_mapping [T]         where each new token's K/V goes in the pool
+      query_start_loc [N + 1]  sequence i's new tokens are rows query_start_loc[i] : [i + 1]
+      context_lens [N]         tokens of sequence i in the cache after this step (past + new)
+      block_tables [N, max_blocks]  each sequence's physical blocks (padded with 0s)
+
+    A prefill step brings a whole prompt per sequence, a decode step one token per sequence;
+    the same code handles both, and any mix.
+    """
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, query_start_loc: list[int],
+                 context_lens: list[int], block_tables: torch.Tensor):
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        self.query_start_loc = query_start_loc
+        self.context_lens = context_lens
+        self.block_tables = block_tables
+
+    @property
+    def last_token_indices(self) -> list[int]:
+        return [end - 1 for end in self.query_start_loc[1:]]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
+        return paged_attention_reference(q, self.cache, layer_idx, self.query_start_loc,
+                                         self.context_lens, self.block_tables)
+
+
+def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer_idx: int,
+                              query_start_loc: list[int], context_lens: list[int],
+                              block_tables: torch.Tensor) -> torch.Tensor:
+    """The PyTorch reference: gather each sequence's K/V through its block table, then attend.
+
+    q [T, Hq, D] -> [T, Hq, D]. A sequence with `n` new tokens and `L` cached tokens in all has
+    queries at positions L - n .. L - 1.
+    """
+    # >>> week05: paged-attention-reference
+    outs = []
+    for i, context_len in enumerate(context_lens):
+        a, b = query_start_loc[i], query_start_loc[i + 1]
+        keys, values = cache.gather(layer_idx, block_tables[i], context_len)
+        outs.append(causal_attention(q[a:b], keys, values, q_start=context_len - (b - a)))
+    return torch.cat(outs, dim=0)
+    # <<< week05: paged-attention-reference

@@ -1,0 +1,197 @@
+"""Week 5: the engine loop, and the offline `LLM` API on top of it.
+
+    while has_work:
+        batch   = scheduler.schedule()           # who runs this step
+        logits  = runner.execute(batch)          # one forward pass for the whole batch
+        tokens  = sample(logits, ...)            # one token per sequence
+        scheduler.update(batch, tokens)          # append, stop checks, free blocks
+        deliver(outputs)                         # text deltas, finished requests
+
+`Engine.step()` is one turn of that loop. `LLM.generate()` runs it until every prompt is done.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.cache import PagedKVCache
+from nanoserve.loader import load_model, resolve_model_dir
+from nanoserve.runner import ModelRunner
+from nanoserve.sampling import SamplingParams, make_generator, sample
+from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (`finished` tells whether that is all)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    delta: str = ""  # the text this step added (for streaming)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # characters of `text` already delivered as deltas
+    stop: list[str] = field(default_factory=list)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` could be the start of a stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Engine:
+    def __init__(self, model: str | os.PathLike = "tiny", dtype: torch.dtype | None = None,
+                 device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None):
+        device = device or default_device()
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        model_dir = resolve_model_dir(model)
+        self.model_name = str(model)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model = load_model(model_dir, dtype=dtype, device=device)
+        cfg = self.model.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if num_blocks is None:
+            per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+            num_blocks = max(1, (kv_cache_memory or self._default_kv_memory(device)) // per_block)
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  dtype=dtype, device=device)
+        self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.eos_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[int, _Request] = {}
+        self.num_steps = 0
+
+    @staticmethod
+    def _default_kv_memory(device: str) -> int:
+        if device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            return int(free * 0.8)  # leave room for activations and the allocator's slack
+        return 256 * 2**20  # 256 MiB on the CPU
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids),
+                       generator=make_generator(params.seed, self.runner.device))
+        self.scheduler.add(seq)
+        self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), stop=params.stop)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request now: its KV blocks go back to the pool at once."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that got a token."""
+        # >>> week05: engine-step
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits = self.runner.execute(batch)  # [N, vocab]
+        seqs = batch.seqs
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                        [s.token_ids for s in seqs]).tolist()
+        self.scheduler.update(batch, tokens)
+        self.num_steps += 1
+        return [self._process(seq) for seq in seqs if seq.seq_id in self.requests]
+        # <<< week05: engine-step
+
+    def _process(self, seq: Sequence) -> RequestOutput:
+        """Detokenize the new token, apply stop strings, and build the request's output."""
+        req = self.requests[seq.seq_id]
+        token = seq.output_ids[-1]
+        if not (seq.finish_reason == "stop" and token in seq.stop_ids):  # stop tokens add no text
+            req.text += req.detok.add(token)
+        if seq.is_finished:
+            req.text += req.detok.flush()
+        # >>> week05: stop-strings
+        found = [i for i in (req.text.find(s, req.emitted) for s in req.stop) if i != -1]
+        if found:  # cut at the earliest stop string; it is not part of the output
+            req.text = req.text[: min(found)]
+            self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"  # even if this token also hit max_tokens
+        # <<< week05: stop-strings
+        # Deliver text that can no longer turn out to be the start of a stop string.
+        end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
+        delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
+        if seq.is_finished:
+            del self.requests[seq.seq_id]
+        return RequestOutput(seq.seq_id, seq.prompt_ids, list(seq.output_ids), req.text,
+                             seq.is_finished, seq.finish_reason, delta)
+
+
+class LLM:
+    """Offline generation: give it prompts, get completions, in order.
+
+        llm = LLM("tiny")
+        outs = llm.generate(["The list", "A dictionary"], SamplingParams(max_tokens=20))
+        print(outs[0].text)
+    """
+
+    def __init__(self, model: str | os.PathLike = "tiny", **engine_kwargs):
+        self.engine = Engine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[int, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(prompts) >= 32
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]

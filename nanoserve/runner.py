@@ -1,0 +1,66 @@
+"""Week 5: the model runner turns the scheduler's `Batch` into tensors and runs the model.
+
+It is the only place where scheduling decisions (lists of sequences and token counts) meet
+tensors. For each step it builds the packed inputs:
+
+    input_ids, positions [T]    the new tokens of every scheduled sequence, back to back
+    slot_mapping [T]            where each new token's K/V goes in the block pool
+    query_start_loc [N + 1]     where each sequence's tokens start in the packed batch
+    context_lens [N]            each sequence's length once this step is done
+    block_tables [N, max_blocks]
+
+then runs one forward pass and returns the logits of each sequence's last token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.cache import PagedContext, PagedKVCache, slot_of
+from nanoserve.model import Llama
+from nanoserve.scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+        self.device = model.embed_tokens.weight.device
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+        """Batch -> (input_ids [T], positions [T], the attention context)."""
+        # >>> week05: prepare-inputs
+        block_size = self.cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += [slot_of(seq.block_table, p, block_size) for p in range(start, start + n)]
+            query_start_loc.append(query_start_loc[-1] + n)
+            context_lens.append(start + n)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        # <<< week05: prepare-inputs
+        dev = self.device
+        ctx = PagedContext(
+            self.cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), ctx)
+
+    @torch.no_grad()
+    def execute(self, batch: Batch) -> torch.Tensor:
+        """One forward pass -> logits [N, vocab] (float32), one row per scheduled sequence."""
+        input_ids, positions, ctx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        last = torch.tensor(ctx.last_token_indices, device=self.device)
+        return self.model.compute_logits(hidden[last])

@@ -1,0 +1,98 @@
+"""Week 3: text in, text out.
+
+`Tokenizer` is a thin wrapper over the checkpoint's own HuggingFace tokenizer (we do not
+re-implement BPE: the checkpoint's tokenizer *is* the specification). `IncrementalDetokenizer`
+turns a growing list of token ids into text deltas for streaming, without ever emitting half of
+a multi-byte UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import os
+
+from nanoserve.loader import resolve_model_dir
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for bytes that are not (yet) a character
+
+
+class Tokenizer:
+    def __init__(self, model: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids (with the BOS token the tokenizer adds by itself, if any)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages -> prompt token ids, formatted by the tokenizer's own chat template."""
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template: use plain completions")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template already wrote the BOS token; do not let encode add a second one.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Feed it one token at a time; it returns the new text each token completes.
+
+    Decoding token by token and joining the pieces is wrong for byte-level BPE: one emoji is
+    four bytes, often split over two or three tokens, and each piece alone decodes to U+FFFD.
+    Decoding the whole sequence every step is right but costs O(n) per token. Instead we keep
+    two offsets into the token list:
+
+        ids:   ... [prefix_offset ........ read_offset) [new tokens ...]
+                    already-emitted tokens,             not yet emitted
+                    kept as left context
+
+    and decode only the short window from `prefix_offset`. The new text is the window's text
+    minus the text of its already-emitted part. If the window ends in U+FFFD the last
+    character is incomplete: emit nothing and wait for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" if a character is still open)."""
+        # >>> week03: detokenize
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = self._decode(self.ids[self.prefix_offset :])
+        if window_text.endswith(REPLACEMENT_CHAR) or len(window_text) <= len(prefix_text):
+            return ""  # an unfinished UTF-8 character (or a token with no text, like EOS)
+        delta = window_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
+        # <<< week03: detokenize
+
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held back (a truly broken character)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return window_text[len(prefix_text) :]
