@@ -16,31 +16,53 @@ def _default_device() -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from nanoserve.engine import Engine
+    from nanoserve.sampling import SamplingParams
 
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    device = args.device or _default_device()
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
+        return _generate_no_cache(args, device, dtype or torch.float32)
+    engine = Engine(args.model, dtype=dtype, device=device)
+    engine.add_request(args.prompt, params)
+    print(args.prompt, end="", flush=True)
+    start, n = time.perf_counter(), 0
+    while engine.has_unfinished():
+        for out in engine.step():  # stream the text as it comes
+            print(out.delta, end="", flush=True)
+            n = len(out.token_ids)
+    elapsed = time.perf_counter() - start
+    print()
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, KV cache on]", file=sys.stderr)
+    return 0
+
+
+def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype) -> int:
     from nanoserve.generate import greedy_generate_no_cache
-    from nanoserve.loader import load_model, resolve_model_dir
+    from nanoserve.loader import load_model
+    from nanoserve.tokenizer import Tokenizer
 
-    model_dir = resolve_model_dir(args.model)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(model_dir, dtype=DTYPES[args.dtype], device=args.device or _default_device())
-    ids = tok(args.prompt).input_ids
+    tok = Tokenizer(args.model)
+    model = load_model(args.model, dtype=dtype, device=device)
+    ids = tok.encode(args.prompt)
     start = time.perf_counter()
     new = greedy_generate_no_cache(model, ids, args.max_tokens, stop_ids=model.config.eos_token_ids)
     elapsed = time.perf_counter() - start
-    print(args.prompt + tok.decode(new, skip_special_tokens=True))
-    print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tok/s]", file=sys.stderr)
+    print(args.prompt + tok.decode(new))
+    print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tok/s, no KV cache, greedy]",
+          file=sys.stderr)
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from nanoserve.compare import compare_with_hf, first_divergence, format_report
     from nanoserve.loader import resolve_model_dir
+    from nanoserve.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)
-    ids = AutoTokenizer.from_pretrained(model_dir)(args.prompt).input_ids
+    ids = Tokenizer(model_dir).encode(args.prompt)
     diffs = compare_with_hf(str(model_dir), ids)
     print(f"{len(ids)} tokens through {model_dir}")
     print(format_report(diffs, args.rtol))
@@ -59,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
+    gen.add_argument("--dtype", choices=list(DTYPES), default=None,
+                     help="default: float32 on the CPU, bfloat16 on CUDA")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.set_defaults(func=cmd_generate)
 
