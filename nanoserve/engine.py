@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.cache import PagedKVCache
+from nanoserve.kernels import select_backend
 from nanoserve.loader import load_model, resolve_model_dir
 from nanoserve.runner import ModelRunner
 from nanoserve.sampling import SamplingParams, make_generator, sample
@@ -66,8 +67,10 @@ class Engine:
     def __init__(self, model: str | os.PathLike = "tiny", dtype: torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None):
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 attention_backend: str | None = None):
         device = device or default_device()
+        self.attention_backend = select_backend(device, attention_backend)
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model_dir = resolve_model_dir(model)
         self.model_name = str(model)
@@ -81,7 +84,7 @@ class Engine:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                   dtype=dtype, device=device)
         self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, self.attention_backend)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

@@ -22,10 +22,15 @@ from nanoserve.scheduler import Batch
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, cache: PagedKVCache):
+    def __init__(self, model: Llama, cache: PagedKVCache, attention_backend: str = "torch"):
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
+        self.context_class = PagedContext
+        if attention_backend == "triton":  # week 6: same context interface, Triton inside
+            from nanoserve.kernels.triton_backend import TritonPagedContext
+
+            self.context_class = TritonPagedContext
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """Batch -> (input_ids [T], positions [T], the attention context)."""
@@ -47,7 +52,7 @@ class ModelRunner:
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
         # <<< week05: prepare-inputs
         dev = self.device
-        ctx = PagedContext(
+        ctx = self.context_class(
             self.cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,

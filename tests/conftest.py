@@ -1,7 +1,13 @@
-"""Shared pytest setup: float32 determinism, a gpu marker that explains its skip."""
+"""Shared pytest setup: float32 determinism, a gpu marker that explains its skip, and Triton's
+interpreter on machines without a GPU (it must be switched on before triton is first imported)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,206 @@
+"""Benchmark the week-6 decode kernel: time and achieved memory bandwidth, next to torch SDPA.
+
+    python scripts/bench_paged_attention.py --out docs/bench        # on a CUDA GPU
+
+For each batch size x context length (Llama-3.2-1B heads: 32 query heads, 8 KV heads,
+head_dim 64; block size 16; bf16) it times:
+  - nanoserve's Triton kernel reading K/V through shuffled block tables (flash-decoding splits
+    chosen by its heuristic, and also forced off, to show what splitting buys);
+  - torch SDPA on *contiguous* K/V (enable_gqa), the same attention without paging;
+  - FlexAttention on contiguous K/V, when the installed torch has it.
+Bandwidth = bytes of K, V, Q and O that must cross memory / time, also as a % of the measured
+device-to-device copy bandwidth (read + write). Times come from triton.testing.do_bench, which
+flushes the L2 cache between runs. Writes a JSON file and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+
+
+def copy_bandwidth(nbytes: int = 2**30) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def make_inputs(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
+    rng = random.Random(seed)
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    order = list(range(num_blocks))
+    rng.shuffle(order)  # a realistic, scattered pool
+    tables = torch.tensor(order, dtype=torch.int32, device="cuda").view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    return q, k_cache, v_cache, tables, lens
+
+
+def contiguous_kv(k_cache, tables, batch, context):
+    """[batch, KV_HEADS, context, HEAD_DIM] copies of each sequence's keys (for SDPA/Flex)."""
+    k = k_cache[tables.long()].flatten(1, 2)[:, :context]  # [B, ctx, Hkv, D]
+    return k.transpose(1, 2).contiguous()
+
+
+def kv_bytes(batch: int, context: int, itemsize: int) -> int:
+    kv = 2 * batch * context * KV_HEADS * HEAD_DIM * itemsize
+    qo = 2 * batch * HEADS * HEAD_DIM * itemsize
+    return kv + qo
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--out", default="docs/bench")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="try kernel tile/warp/stage settings at batch 64 x 2048")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    peak = copy_bandwidth()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: measured device-to-device copy bandwidth {peak:.0f} GB/s (read + write)")
+
+    if args.sweep:
+        sweep(peak)
+
+    flex = None
+    if not args.no_flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+        except Exception as e:  # older torch
+            print(f"FlexAttention unavailable: {e}")
+
+    rows = []
+    header = (f"{'batch':>5} {'ctx':>5} | {'triton us':>9} {'GB/s':>6} {'%copy':>6} {'splits':>6} | "
+              f"{'no-split us':>11} | {'sdpa us':>8} {'%copy':>6} | {'flex us':>8} {'%copy':>6}")
+    print(header)
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            q, k_cache, v_cache, tables, lens = make_inputs(batch, context, dtype)
+            nbytes = kv_bytes(batch, context, q.element_size())
+            splits = choose_num_splits(batch, KV_HEADS, context, q.device)
+
+            def run(num_splits=None):
+                return paged_decode_attention(q, k_cache, v_cache, tables, lens, context, num_splits=num_splits)
+
+            ms = do_bench(run, warmup=25, rep=200)
+            ms_nosplit = do_bench(lambda: run(1), warmup=25, rep=200)
+            k = contiguous_kv(k_cache, tables, batch, context)
+            v = contiguous_kv(v_cache, tables, batch, context)
+            q4 = q[:, :, None, :]  # [B, H, 1, D]
+            # Check the kernel against SDPA before timing either.
+            ref = torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
+            torch.testing.assert_close(run(), ref, atol=2e-2, rtol=2e-2)
+            ms_sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
+                               warmup=25, rep=200)
+            ms_flex = None
+            if flex is not None:
+                try:
+                    flex(q4, k, v, enable_gqa=True)
+                    ms_flex = do_bench(lambda: flex(q4, k, v, enable_gqa=True), warmup=25, rep=200)
+                except Exception as e:
+                    print(f"  flex failed at batch {batch} ctx {context}: {type(e).__name__}: {str(e)[:120]}")
+                    flex = None
+            gbs = lambda t: nbytes / (t * 1e-3) / 1e9  # noqa: E731
+            row = dict(batch=batch, context=context, bytes=nbytes, splits=splits,
+                       triton_us=ms * 1e3, triton_gbs=gbs(ms), triton_pct=100 * gbs(ms) / peak,
+                       nosplit_us=ms_nosplit * 1e3, nosplit_pct=100 * gbs(ms_nosplit) / peak,
+                       sdpa_us=ms_sdpa * 1e3, sdpa_pct=100 * gbs(ms_sdpa) / peak,
+                       flex_us=None if ms_flex is None else ms_flex * 1e3,
+                       flex_pct=None if ms_flex is None else 100 * gbs(ms_flex) / peak)
+            rows.append(row)
+            flex_txt = f"{row['flex_us']:>8.1f} {row['flex_pct']:>5.1f}%" if ms_flex else f"{'-':>8} {'-':>6}"
+            print(f"{batch:>5} {context:>5} | {row['triton_us']:>9.1f} {row['triton_gbs']:>6.0f} "
+                  f"{row['triton_pct']:>5.1f}% {splits:>6} | {row['nosplit_us']:>11.1f} | "
+                  f"{row['sdpa_us']:>8.1f} {row['sdpa_pct']:>5.1f}% | {flex_txt}", flush=True)
+            del q, k_cache, v_cache, k, v
+            torch.cuda.empty_cache()
+
+    result = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__,
+                  python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
+                  copy_gbs=peak, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  block_size=BLOCK_SIZE, dtype="bfloat16", rows=rows)
+    (out_dir / "paged_attention.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / "paged_attention.png")
+    print(f"wrote {out_dir / 'paged_attention.json'} and {out_dir / 'paged_attention.png'}")
+
+
+def sweep(peak: float, batch: int = 64, context: int = 2048) -> None:
+    """Measure before deciding: the kernel's launch settings at one shape."""
+    from triton.testing import do_bench
+
+    from nanoserve.kernels.paged_attention import paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = make_inputs(batch, context, torch.bfloat16)
+    nbytes = kv_bytes(batch, context, q.element_size())
+    print(f"sweep at batch {batch} x context {context}:")
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3, 4):
+                for splits in (1, 2):
+                    try:
+                        ms = do_bench(lambda: paged_decode_attention(
+                            q, k_cache, v_cache, tables, lens, context, num_splits=splits,
+                            block_n=block_n, num_warps=warps, num_stages=stages), warmup=10, rep=100)
+                    except Exception as e:
+                        print(f"  block_n {block_n} warps {warps} stages {stages} splits {splits}: {type(e).__name__}")
+                        continue
+                    pct = 100 * nbytes / (ms * 1e-3) / 1e9 / peak
+                    print(f"  block_n {block_n:>3} warps {warps} stages {stages} splits {splits}: "
+                          f"{ms * 1e3:7.1f} us {pct:5.1f}%", flush=True)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4 * len(contexts), 3.5), sharey=True)
+    for ax, ctx in zip(axes, contexts):
+        rows = [r for r in result["rows"] if r["context"] == ctx]
+        xs = [r["batch"] for r in rows]
+        ax.plot(xs, [r["triton_pct"] for r in rows], "o-", label="nanoserve Triton (paged)")
+        ax.plot(xs, [r["sdpa_pct"] for r in rows], "s--", label="torch SDPA (contiguous)")
+        if any(r["flex_pct"] for r in rows):
+            ax.plot(xs, [r["flex_pct"] or float("nan") for r in rows], "^:", label="FlexAttention (contiguous)")
+        ax.axhline(70, color="gray", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {ctx}")
+        ax.set_xlabel("batch")
+    axes[0].set_ylabel("% of measured copy bandwidth")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Decode attention, {result['gpu']}, bf16, 32/8 heads, head_dim 64", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
