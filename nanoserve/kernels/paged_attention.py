@@ -22,6 +22,7 @@ kernel merges them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,13 +39,14 @@ def _paged_decode_kernel(
     stride_bt_seq,
     stride_o_seq, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
+    partition,  # tokens per context split (a multiple of BLOCK_N)
+    num_splits,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to >= 16 (the smallest tile tl.dot takes)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block in the pool
     BLOCK_N: tl.constexpr,  # tokens per loop iteration (several blocks)
-    PARTITION: tl.constexpr,  # tokens per context split
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # write partials for the merge kernel instead of the output
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tensor cores otherwise
 ):
     # >>> week06: decode-kernel
@@ -52,8 +54,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + seq)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, context_len)
+    start = split * partition
+    end = tl.minimum(start + partition, context_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -84,13 +86,13 @@ def _paged_decode_kernel(
         m = m_new
 
     head_mask = g < GROUP
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l[:, None]
         tl.store(Out + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
                  out.to(Out.dtype.element_ty), mask=head_mask[:, None])
     else:
         # Partials laid out [seq, query head, split(, D)], contiguous.
-        row = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(PartialM + row, m, mask=head_mask)
         tl.store(PartialL + row, l, mask=head_mask)
         tl.store(PartialAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=head_mask[:, None])
@@ -99,17 +101,17 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    PartialAcc, PartialM, PartialL, Out, stride_o_seq, stride_o_head,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PartialAcc, PartialM, PartialL, Out, stride_o_seq, stride_o_head, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Combine the splits of one (sequence, query head): rescale each to the common max."""
     # >>> week06: merge-splits
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    row = (seq * tl.num_programs(1) + head) * num_splits
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    in_range = s < NUM_SPLITS
+    in_range = s < num_splits
     m = tl.load(PartialM + row + s, mask=in_range, other=float("-inf"))  # [SPLITS_PAD]
     l = tl.load(PartialL + row + s, mask=in_range, other=0.0)
     acc = tl.load(PartialAcc + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None], other=0.0)
@@ -120,6 +122,7 @@ def _merge_splits_kernel(
     # <<< week06: merge-splits
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sm(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -171,14 +174,14 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634,
+        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, partition, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION=partition, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
         )
     return out
