@@ -68,7 +68,8 @@ class Engine:
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, scheduler_policy: str = "continuous",
+                 preemption: bool = True):
         device = device or default_device()
         self.attention_backend = select_backend(device, attention_backend)
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -83,7 +84,8 @@ class Engine:
             num_blocks = max(1, (kv_cache_memory or self._default_kv_memory(device)) // per_block)
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                   dtype=dtype, device=device)
-        self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                   self.max_model_len, policy=scheduler_policy, preemption=preemption)
         self.runner = ModelRunner(self.model, self.cache, self.attention_backend)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -27,7 +27,11 @@ from nanoserve.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, no KV blocks
     RUNNING = "running"  # holds blocks, runs every step
+    PREEMPTED = "preempted"  # lost its blocks to make room; goes back to the front of the queue
     FINISHED = "finished"  # done: blocks returned
+
+
+POLICIES = ("admit-all", "static", "continuous")
 
 
 _ids = itertools.count()
@@ -49,6 +53,7 @@ class Sequence:
     generator: torch.Generator | None = None  # seeded requests only
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
+    num_preemptions: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,6 +70,21 @@ class Sequence:
     @property
     def first_token_time(self) -> float | None:
         return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first output token, in seconds."""
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between consecutive output tokens, in seconds."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
 
 
 @dataclass
@@ -83,23 +103,45 @@ class Batch:
 
 
 class Scheduler:
+    """Keeps the waiting queue and the running set, and decides each step's batch.
+
+    policy:
+      "admit-all"   week 5: prefill every waiting request that fits, then decode; no limits
+                    beyond memory, and running out of blocks mid-decode is an error.
+      "static"      week 7: admit a batch only when nothing runs, reserve each request's
+                    whole KV (prompt + max_tokens) up front, run the batch to its end.
+      "continuous"  week 8: every step, decode everything running and admit waiting requests
+                    (FCFS) into the same step while the limits allow.
+    preemption (week 9, continuous only): when a running sequence needs a block and none is
+    free, the most recently admitted sequence gives its blocks back and waits at the front of
+    the queue, to be recomputed later.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int = 2048):
+                 max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
+                 policy: str = "continuous", preemption: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy
+        self.preemption = preemption and policy == "continuous"
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.num_preemptions = 0
 
     # -- requests in and out ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if blocks_needed(len(seq.prompt_ids) + 1, self.block_size) > self.allocator.num_blocks:
+        longest = min(seq.max_total_tokens, self.max_model_len)
+        if blocks_needed(longest, self.block_size) > self.allocator.num_blocks:
             raise ValueError(
-                f"a prompt of {len(seq.prompt_ids)} tokens can never fit in the KV pool "
-                f"({self.allocator.num_blocks} blocks of {self.block_size} tokens)"
+                f"a request of {len(seq.prompt_ids)} prompt tokens + {seq.params.max_tokens} new "
+                f"tokens can never fit in the KV pool ({self.allocator.num_blocks} blocks of "
+                f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
         self.waiting.append(seq)
 
@@ -128,36 +170,129 @@ class Scheduler:
         while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
             seq.block_table.append(self.allocator.allocate())
 
-    # -- the policy ---------------------------------------------------------------------------
+    def _admit(self, seq: Sequence, reserve_tokens: int) -> None:
+        self.waiting.remove(seq)
+        self._grow_to(seq, reserve_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    # -- the policies ---------------------------------------------------------------------------
 
     def schedule(self) -> Batch:
+        if self.policy == "admit-all":
+            return self._schedule_admit_all()
+        if self.policy == "static":
+            return self._schedule_static()
+        return self._schedule_continuous()
+
+    def _schedule_admit_all(self) -> Batch:
         """Week 5: prefill every waiting request that fits, else decode every running one."""
         # >>> week05: schedule
         admitted: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
-            need = blocks_needed(seq.num_tokens, self.block_size)
-            if need > self.allocator.num_free or (admitted and seq.num_tokens > budget):
+            if blocks_needed(seq.num_tokens, self.block_size) > self.allocator.num_free:
                 break
-            self.waiting.popleft()
-            self._grow_to(seq, seq.num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            budget -= seq.num_tokens
+            self._admit(seq, seq.num_tokens)
             admitted.append(seq)
         if admitted:
-            self.running += admitted
             return Batch(admitted, [s.num_tokens - s.num_computed for s in admitted])
         for seq in self.running:  # decode: each sequence needs room for one more token
             try:
                 self._grow_to(seq, seq.num_tokens)
             except OutOfBlocks:
                 raise OutOfBlocks(
-                    "the KV pool is full and this scheduler cannot preempt: give the engine more "
-                    "blocks or fewer concurrent requests"
+                    "the KV pool is full and this policy cannot preempt: use the 'continuous' "
+                    "policy with preemption, more blocks, or fewer concurrent requests"
                 ) from None
         return Batch(list(self.running), [1] * len(self.running))
         # <<< week05: schedule
+
+    def _schedule_static(self) -> Batch:
+        """Week 7: a new batch only when the last one has completely finished."""
+        # >>> week07: static
+        if self.running:  # the batch in flight runs to its end; newcomers wait
+            return Batch(list(self.running), [1] * len(self.running))
+        admitted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.waiting):
+            # Reserve everything the request may ever need, so a batch never runs out mid-way.
+            reserve = min(seq.max_total_tokens, self.max_model_len)
+            fits_memory = blocks_needed(reserve, self.block_size) <= self.allocator.num_free
+            fits_budget = seq.num_tokens <= budget or not admitted
+            if len(admitted) == self.max_num_seqs or not (fits_memory and fits_budget):
+                break
+            self._admit(seq, reserve)
+            budget -= seq.num_tokens
+            admitted.append(seq)
+        return Batch(admitted, [s.num_tokens - s.num_computed for s in admitted])
+        # <<< week07: static
+
+    def _schedule_continuous(self) -> Batch:
+        """Week 8: decode all running sequences, and admit waiting ones into the same step."""
+        # >>> week08: continuous
+        decoding: list[Sequence] = []
+        preemptions_before = self.num_preemptions
+        for seq in list(self.running):  # oldest first: they keep their blocks longest
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
+            if self._make_room(seq):
+                decoding.append(seq)
+        preempted_now = self.num_preemptions > preemptions_before  # memory is tight: admit no one
+        budget = self.max_num_batched_tokens - len(decoding)
+        admitted: list[Sequence] = []
+        while self.waiting and not preempted_now and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            new_tokens = seq.num_tokens - seq.num_computed
+            fits_budget = new_tokens <= budget or not (decoding or admitted)
+            fits_memory = blocks_needed(seq.num_tokens, self.block_size) <= self.allocator.num_free
+            if not (fits_budget and fits_memory):
+                break  # FCFS: nobody overtakes the head of the queue
+            self._admit(seq, seq.num_tokens)
+            budget -= new_tokens
+            admitted.append(seq)
+        seqs = decoding + admitted
+        return Batch(seqs, [1] * len(decoding) + [s.num_tokens - s.num_computed for s in admitted])
+        # <<< week08: continuous
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Give a running sequence a slot for its next token. False if it was preempted itself."""
+        needed = blocks_needed(seq.num_tokens, self.block_size) - len(seq.block_table)
+        if needed > self.allocator.num_free:
+            if not self.preemption:
+                raise OutOfBlocks(
+                    "the KV pool is full and preemption is off: enable it, give the engine more "
+                    "blocks, or admit fewer requests"
+                )
+            if not self._preempt_until_fits(seq, needed):
+                return False
+        self._grow_to(seq, seq.num_tokens)
+        return True
+
+    def _preempt_until_fits(self, seq: Sequence, needed: int) -> bool:
+        """Week 9: preempt the newest sequences until `needed` blocks are free for `seq`.
+
+        Returns False if `seq` itself had to go (it was the newest one left).
+        """
+        # >>> week09: make-room
+        while needed > self.allocator.num_free:
+            victim = self.running[-1]  # the most recently admitted sequence
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+        # <<< week09: make-room
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, go first in line."""
+        # >>> week09: preempt-sequence
+        self.running.remove(seq)
+        self._free_blocks(seq)  # its K/V are gone: it will be prefilled again, tokens and all
+        seq.status = SequenceStatus.PREEMPTED  # waiting again, at the front of the queue
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        # <<< week09: preempt-sequence
 
     def update(self, batch: Batch, tokens: list[int]) -> None:
         """Record one sampled token per sequence; finish those that hit a stop token or a limit."""

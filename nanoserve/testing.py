@@ -80,3 +80,43 @@ def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed
     """Build a random HF model, save it to `path`, return (path, the HF model)."""
     model = make_hf_model(config or tiny_config(), seed=seed, init_std=init_std)
     return save_checkpoint(model, path, **save_kwargs), model
+
+
+# ------------------------------------------------------------------ scheduling without a model
+
+
+def run_scheduler(scheduler, arrivals: dict[int, list], token: int = 7, max_steps: int = 100_000,
+                  on_step=None) -> int:
+    """Drive a `Scheduler` with a fake runner: every scheduled sequence gets `token` each step.
+
+    `arrivals[step]` lists the sequences that arrive just before that step. `on_step(step,
+    batch)` is called after each schedule(), before update(): the place to check invariants.
+    Returns the number of steps until every sequence finished.
+    """
+    step = 0
+    last_arrival = max(arrivals, default=-1)
+    while step <= last_arrival or scheduler.has_unfinished():
+        for seq in arrivals.get(step, []):
+            scheduler.add(seq)
+        batch = scheduler.schedule()
+        if on_step is not None:
+            on_step(step, batch)
+        scheduler.update(batch, [token] * len(batch))
+        step += 1
+        if step > max_steps:
+            raise RuntimeError(f"the scheduler did not finish in {max_steps} steps")
+    return step
+
+
+def check_block_invariants(scheduler, batch=None) -> None:
+    """No block owned twice, free + used = total, every scheduled sequence's table covers it."""
+    alloc = scheduler.allocator
+    owned = [b for seq in scheduler.running for b in seq.block_table]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert set(owned) == alloc.used, "allocator's used set differs from what sequences hold"
+    assert alloc.num_free + alloc.num_used == alloc.num_blocks
+    assert all(not seq.block_table for seq in scheduler.waiting), "a waiting sequence holds blocks"
+    if batch is not None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert len(seq.block_table) * scheduler.block_size >= seq.num_computed + n, \
+                f"sequence {seq.seq_id}'s block table does not cover its tokens"

@@ -24,29 +24,41 @@ class TritonPagedContext(PagedContext):
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, query_start_loc: list[int],
                  context_lens: list[int], block_tables: torch.Tensor):
         super().__init__(cache, slot_mapping, query_start_loc, context_lens, block_tables)
+        device = slot_mapping.device
         self.query_lens = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
-        self.is_decode = all(n == 1 for n in self.query_lens)
-        self.max_context = max(context_lens)
-        self.context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=slot_mapping.device)
+        # Sequences with one new token go to the kernel; the others (prompts) take the torch path.
+        self.decode_seqs = [i for i, n in enumerate(self.query_lens) if n == 1]
+        self.prefill_seqs = [i for i, n in enumerate(self.query_lens) if n > 1]
+        self.all_decode = not self.prefill_seqs
+        if self.decode_seqs:
+            idx = torch.tensor(self.decode_seqs, device=device)
+            self.decode_rows = torch.tensor([query_start_loc[i] for i in self.decode_seqs], device=device)
+            self.decode_tables = block_tables if self.all_decode else block_tables[idx]
+            self.decode_lens = torch.tensor([context_lens[i] for i in self.decode_seqs], dtype=torch.int32,
+                                            device=device)
+            self.max_decode_context = max(context_lens[i] for i in self.decode_seqs)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # >>> week06: triton-attend
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [blocks, block_size, Hkv, D]
         k_pool.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
         v_pool.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
-        if self.is_decode:
-            return paged_decode_attention(q, k_pool, v_pool, self.block_tables, self.context_lens_t,
-                                          self.max_context)
-        outs = []
-        for i, n in enumerate(self.query_lens):
+        if self.all_decode:  # the common case: one kernel launch for the whole batch
+            return paged_decode_attention(q, k_pool, v_pool, self.decode_tables, self.decode_lens,
+                                          self.max_decode_context)
+        out = torch.empty_like(q)
+        if self.decode_seqs:
+            out[self.decode_rows] = paged_decode_attention(q[self.decode_rows], k_pool, v_pool, self.decode_tables,
+                                                           self.decode_lens, self.max_decode_context)
+        for i in self.prefill_seqs:
             a, b = self.query_start_loc[i], self.query_start_loc[i + 1]
-            past = self.context_lens[i] - n
+            past = self.context_lens[i] - (b - a)
             if past == 0:  # a fresh prompt: attend over its own new keys, no pool read needed
-                outs.append(_sdpa_causal(q[a:b], k[a:b], v[a:b]))
-            else:
+                out[a:b] = _sdpa_causal(q[a:b], k[a:b], v[a:b])
+            else:  # new tokens on top of a cached past (a chunked prompt): the reference path
                 keys, values = self.cache.gather(layer_idx, self.block_tables[i], self.context_lens[i])
-                outs.append(causal_attention(q[a:b], keys, values, q_start=past))
-        return torch.cat(outs, dim=0)
+                out[a:b] = causal_attention(q[a:b], keys, values, q_start=past)
+        return out
         # <<< week06: triton-attend
 
 
