@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,19 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
     delta: str = ""  # the text this step added (for streaming)
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did (kept when the engine runs with `trace=True`)."""
+
+    step: int
+    start: float  # perf_counter seconds
+    end: float
+    seq_ids: list[int]
+    num_new_tokens: list[int]  # per sequence: > 1 for a prefill, 1 for a decode
+    num_waiting: int
+    blocks_used: int
 
 
 @dataclass
@@ -69,7 +83,7 @@ class Engine:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  attention_backend: str | None = None, scheduler_policy: str = "continuous",
-                 preemption: bool = True):
+                 preemption: bool = True, trace: bool = False):
         device = device or default_device()
         self.attention_backend = select_backend(device, attention_backend)
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -92,6 +106,7 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[int, _Request] = {}
         self.num_steps = 0
+        self.trace: list[StepRecord] | None = [] if trace else None
 
     @staticmethod
     def _default_kv_memory(device: str) -> int:
@@ -131,6 +146,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that got a token."""
         # >>> week05: engine-step
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -140,6 +156,10 @@ class Engine:
                         [s.token_ids for s in seqs]).tolist()
         self.scheduler.update(batch, tokens)
         self.num_steps += 1
+        if self.trace is not None:
+            self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
+                                         [s.seq_id for s in seqs], list(batch.num_new_tokens),
+                                         len(self.scheduler.waiting), self.scheduler.allocator.num_used))
         return [self._process(seq) for seq in seqs if seq.seq_id in self.requests]
         # <<< week05: engine-step
 
