@@ -108,8 +108,9 @@ class Scheduler:
     policy:
       "admit-all"   week 5: prefill every waiting request that fits, then decode; no limits
                     beyond memory, and running out of blocks mid-decode is an error.
-      "static"      week 7: admit a batch only when nothing runs, reserve each request's
-                    whole KV (prompt + max_tokens) up front, run the batch to its end.
+      "static"      week 7: admit a batch (up to max_num_seqs, all prefilled in one step) only
+                    when nothing runs, reserve each request's whole KV (prompt + max_tokens)
+                    up front, run the batch to its end.
       "continuous"  week 8: every step, decode everything running and admit waiting requests
                     (FCFS) into the same step while the limits allow.
     preemption (week 9, continuous only): when a running sequence needs a block and none is
@@ -214,16 +215,12 @@ class Scheduler:
         if self.running:  # the batch in flight runs to its end; newcomers wait
             return Batch(list(self.running), [1] * len(self.running))
         admitted: list[Sequence] = []
-        budget = self.max_num_batched_tokens
         for seq in list(self.waiting):
             # Reserve everything the request may ever need, so a batch never runs out mid-way.
             reserve = min(seq.max_total_tokens, self.max_model_len)
-            fits_memory = blocks_needed(reserve, self.block_size) <= self.allocator.num_free
-            fits_budget = seq.num_tokens <= budget or not admitted
-            if len(admitted) == self.max_num_seqs or not (fits_memory and fits_budget):
+            if len(admitted) == self.max_num_seqs or blocks_needed(reserve, self.block_size) > self.allocator.num_free:
                 break
             self._admit(seq, reserve)
-            budget -= seq.num_tokens
             admitted.append(seq)
         return Batch(admitted, [s.num_tokens - s.num_computed for s in admitted])
         # <<< week07: static

@@ -25,7 +25,7 @@ CONFIGS = {
     # name: (policy, max_num_seqs, kv cache memory in GiB or None for the default)
     "static": ("static", 64, None),
     "continuous": ("continuous", 64, None),
-    "continuous-small-pool": ("continuous", 64, 2.0),
+    "continuous-small-pool": ("continuous", 64, 1.0),
 }
 
 
@@ -44,11 +44,12 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench")
     args = ap.parse_args()
     results = []
-    llm = None
+    llm = eng = None
     for name in args.configs.split(","):
         policy, max_seqs, kv_gib = CONFIGS[name]
-        del llm
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        del llm, eng  # free the previous engine's KV pool before sizing the next one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         llm = LLM(args.model, scheduler_policy=policy, max_num_seqs=max_seqs,
                   kv_cache_memory=None if kv_gib is None else int(kv_gib * 2**30))
         eng = llm.engine

@@ -53,13 +53,12 @@ def test_reserves_each_requests_whole_length_up_front():
 
 
 def test_fcfs_and_limits():
-    s = static(max_num_seqs=2, max_num_batched_tokens=10)
+    s = static(max_num_seqs=2)
     seqs = [seq(4, 2), seq(4, 2), seq(4, 2), seq(9, 1), seq(1, 1)]
 
     def watch(step, batch):
         check_block_invariants(s, batch)
         assert len(batch) <= 2
-        assert batch.num_tokens <= 10 or len(batch) == 1
         ids = [q.seq_id for q in batch.seqs]
         assert ids == sorted(ids)  # first come, first served
 
