@@ -165,22 +165,22 @@ class PagedKVCache:
 
     def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. slots [T] (int64); k, v [T, Hkv, D]."""
-        # >>> week05: write-kv
+        # >>> week04: write-kv
         flat_k = self.k[layer_idx].view(-1, *self.k.shape[-2:])  # [num_slots, Hkv, D], no copy
         flat_v = self.v[layer_idx].view(-1, *self.v.shape[-2:])
         flat_k[slots] = k
         flat_v[slots] = v
-        # <<< week05: write-kv
+        # <<< week04: write-kv
 
     def gather(self, layer_idx: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` keys and values, in order: two [length, Hkv, D] tensors."""
-        # >>> week05: gather-kv
+        # >>> week04: gather-kv
         n_blocks = blocks_needed(length, self.block_size)
         blocks = block_table[:n_blocks]
         k = self.k[layer_idx, blocks].flatten(0, 1)[:length]  # [n_blocks * block_size, Hkv, D] -> [length, ...]
         v = self.v[layer_idx, blocks].flatten(0, 1)[:length]
         return k, v
-        # <<< week05: gather-kv
+        # <<< week04: gather-kv
 
 
 # --------------------------------------------------------------- week 5: the paged context

@@ -25,7 +25,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
         return _generate_no_cache(args, device, dtype or torch.float32)
-    engine = Engine(args.model, dtype=dtype, device=device)
+    engine = Engine(args.model, dtype=dtype, device=device, attention_backend=args.attention_backend,
+                    scheduler_policy=args.scheduler_policy)
     engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     start, n = time.perf_counter(), 0
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
     gen.add_argument("--dtype", choices=list(DTYPES), default=None,
                      help="default: float32 on the CPU, bfloat16 on CUDA")
+    gen.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                     help="default: triton on CUDA, torch on the CPU")
+    gen.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
+                     help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.set_defaults(func=cmd_generate)
 
@@ -96,10 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("prompt")
     cmp.add_argument("--rtol", type=float, default=1e-4)
     cmp.set_defaults(func=cmd_compare)
+
+    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset (see nanoserve/course.py)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course.py
+        from nanoserve.course import main as course_main
+
+        return course_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,9 +2,20 @@
 interpreter on machines without a GPU (it must be switched on before triton is first imported)."""
 
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The learner's workspace (see nanoserve/course.py): when NANOSERVE_WORKSPACE names one, its
+# copy of the package shadows the reference for every test, unchanged.
+_workspace = os.environ.get("NANOSERVE_WORKSPACE")
+if _workspace:
+    sys.path.insert(0, str(Path(_workspace).resolve()))
+    import nanoserve  # noqa: E402
+
+    assert Path(nanoserve.__file__).resolve().is_relative_to(Path(_workspace).resolve()), nanoserve.__file__
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

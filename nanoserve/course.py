@@ -1,0 +1,330 @@
+"""The learner's workspace: stubs generated from the reference, and one command per step.
+
+    python -m nanoserve.course start --week 3     # make workspace/ with weeks 3.. stubbed out
+    python -m nanoserve.course check --week 3     # run week 3's tests against your workspace
+    python -m nanoserve.course check              # progress over all weeks
+    python -m nanoserve.course peek rmsnorm       # show the reference solution of one exercise
+    python -m nanoserve.course reset --week 3     # put week 3's stubs back
+
+(`nanoserve course ...` is the same command.)
+
+How it works. Every exercise in the reference `nanoserve/` sits between two marker comments:
+
+    # >>> week01: rmsnorm
+    ...reference solution...
+    # <<< week01: rmsnorm
+
+`start --week N` copies the package into `workspace/nanoserve/` and replaces the body of every
+exercise of week N and later with `raise NotImplementedError(...)`, keeping the markers, the
+signatures, the docstrings and all the code around them. You edit `workspace/nanoserve/`; the
+reference stays untouched for `peek`. The tests are the same files for everyone: when the
+environment variable NANOSERVE_WORKSPACE names a workspace, `tests/conftest.py` puts it first
+on `sys.path`, so `import nanoserve` finds your copy instead of the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+DEFAULT_WORKSPACE = REPO_DIR / "workspace"
+ENV_VAR = "NANOSERVE_WORKSPACE"
+
+BEGIN = re.compile(r"^(?P<indent>\s*)# >>> week(?P<week>\d\d): (?P<name>[a-z0-9-]+)\s*$")
+END = re.compile(r"^(?P<indent>\s*)# <<< week(?P<week>\d\d): (?P<name>[a-z0-9-]+)\s*$")
+STUB_MARK = "NotImplementedError(\"week"
+
+
+class MarkerError(ValueError):
+    """A marker pair that is not well formed (unclosed, mismatched, nested, mis-indented)."""
+
+
+@dataclass
+class Exercise:
+    week: int
+    name: str
+    path: Path  # relative to the package directory
+    begin: int  # line index of the `# >>>` marker
+    end: int  # line index of the `# <<<` marker
+    indent: str
+
+    @property
+    def key(self) -> str:
+        return f"week{self.week:02d}:{self.name}"
+
+    def body(self, lines: list[str]) -> list[str]:
+        return lines[self.begin + 1 : self.end]
+
+    def stub(self) -> list[str]:
+        return [f'{self.indent}raise NotImplementedError("week {self.week:02d} exercise \'{self.name}\': '
+                f'see weeks/week{self.week:02d}/README.md")\n']
+
+
+def find_exercises(lines: list[str], path: Path) -> list[Exercise]:
+    """Parse the marker pairs of one file (raises MarkerError on any malformed pair)."""
+    found, open_ = [], None
+    for i, line in enumerate(lines):
+        begin, end = BEGIN.match(line), END.match(line)
+        stripped = line.lstrip()
+        if stripped.startswith("# >>>") and not begin or stripped.startswith("# <<<") and not end:
+            raise MarkerError(f"{path}:{i + 1}: malformed marker {line.strip()!r} "
+                              "(expected '# >>> weekNN: name' / '# <<< weekNN: name')")
+        if begin:
+            if open_ is not None:
+                raise MarkerError(f"{path}:{i + 1}: marker opened inside {open_[1]}")
+            if not begin["indent"]:
+                raise MarkerError(f"{path}:{i + 1}: exercises must sit inside a function body")
+            open_ = (i, f"week{begin['week']}: {begin['name']}", begin)
+        elif end:
+            if open_ is None:
+                raise MarkerError(f"{path}:{i + 1}: closing marker without an opening one")
+            start, label, b = open_
+            if (end["week"], end["name"], end["indent"]) != (b["week"], b["name"], b["indent"]):
+                raise MarkerError(f"{path}:{i + 1}: closing marker does not match '{label}' (line {start + 1})")
+            if i == start + 1:
+                raise MarkerError(f"{path}:{i + 1}: exercise '{label}' is empty")
+            found.append(Exercise(int(b["week"]), b["name"], path, start, i, b["indent"]))
+            open_ = None
+    if open_ is not None:
+        raise MarkerError(f"{path}:{open_[0] + 1}: exercise '{open_[1]}' is never closed")
+    return found
+
+
+def source_files(package: Path = PACKAGE_DIR) -> list[Path]:
+    """The package's Python files, except this tool (whose docstring shows a marker pair)."""
+    return sorted(p.relative_to(package) for p in package.rglob("*.py")
+                  if "__pycache__" not in p.parts and p.name != "course.py")
+
+
+def all_exercises(package: Path = PACKAGE_DIR) -> list[Exercise]:
+    exercises = []
+    for rel in source_files(package):
+        exercises += find_exercises((package / rel).read_text().splitlines(keepends=True), rel)
+    keys = [e.key for e in exercises]
+    dupes = {k for k in keys if keys.count(k) > 1}
+    if dupes:
+        raise MarkerError(f"exercise names must be unique: {', '.join(sorted(dupes))}")
+    return exercises
+
+
+def weeks_with_exercises(package: Path = PACKAGE_DIR) -> list[int]:
+    return sorted({e.week for e in all_exercises(package)})
+
+
+def is_stub(body: list[str]) -> bool:
+    return len(body) == 1 and STUB_MARK in body[0]
+
+
+# ------------------------------------------------------------------------ making the workspace
+
+
+def render(reference_lines: list[str], exercises: list[Exercise], week: int,
+           learner_lines: list[str] | None = None) -> list[str]:
+    """One module of the workspace: exercises of week >= `week` stubbed, the others solved.
+
+    If the learner already has this file, their own answers (neither a stub nor a copy of the
+    reference) are kept, whatever the week: `start` never throws work away.
+    """
+    learner = {}
+    if learner_lines is not None:
+        for ex in find_exercises(learner_lines, exercises[0].path if exercises else Path("?")):
+            learner[ex.key] = ex.body(learner_lines)
+    out, cursor = [], 0
+    for ex in exercises:
+        out += reference_lines[cursor : ex.begin + 1]
+        mine = learner.get(ex.key)
+        if mine is not None and not is_stub(mine) and mine != ex.body(reference_lines):
+            out += mine
+        elif ex.week >= week:
+            out += ex.stub()
+        else:
+            out += ex.body(reference_lines)
+        out.append(reference_lines[ex.end])
+        cursor = ex.end + 1
+    return out + reference_lines[cursor:]
+
+
+def make_workspace(week: int, workspace: Path = DEFAULT_WORKSPACE, keep_learner_work: bool = True) -> Path:
+    """Create or update `workspace/nanoserve` stubbed from `week` on. Returns the package path."""
+    target = workspace / "nanoserve"
+    target.mkdir(parents=True, exist_ok=True)
+    for rel in source_files():
+        ref_lines = (PACKAGE_DIR / rel).read_text().splitlines(keepends=True)
+        exercises = find_exercises(ref_lines, rel)
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        mine = dest.read_text().splitlines(keepends=True) if keep_learner_work and dest.exists() else None
+        dest.write_text("".join(render(ref_lines, exercises, week, mine)))
+    assets = PACKAGE_DIR / "assets"
+    if assets.exists():
+        shutil.copytree(assets, target / "assets", dirs_exist_ok=True)
+    (workspace / "WEEK").write_text(f"{week}\n")
+    return target
+
+
+def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
+    """Put back the stubs of one week's exercises in the workspace. Returns how many."""
+    target = workspace / "nanoserve"
+    count = 0
+    for rel in source_files():
+        dest = target / rel
+        if not dest.exists():
+            continue
+        lines = dest.read_text().splitlines(keepends=True)
+        exercises = [e for e in find_exercises(lines, rel) if e.week == week]
+        for ex in reversed(exercises):  # from the bottom, so line numbers above stay valid
+            lines[ex.begin + 1 : ex.end] = ex.stub()
+            count += 1
+        if exercises:
+            dest.write_text("".join(lines))
+    return count
+
+
+def peek(name: str) -> str:
+    """The reference solution of one exercise ('rmsnorm' or 'week01:rmsnorm')."""
+    matches = [e for e in all_exercises() if name in (e.name, e.key, e.key.replace(":", ": "))]
+    if not matches:
+        known = ", ".join(e.key for e in all_exercises())
+        raise KeyError(f"no exercise named {name!r}; the exercises are: {known}")
+    out = []
+    for ex in matches:
+        lines = (PACKAGE_DIR / ex.path).read_text().splitlines(keepends=True)
+        out.append(f"--- {ex.key}  (nanoserve/{ex.path}, lines {ex.begin + 2}-{ex.end})\n")
+        out += [line[len(ex.indent):] if line.startswith(ex.indent) else line for line in ex.body(lines)]
+    return "".join(out)
+
+
+# ------------------------------------------------------------------------------- checking
+
+
+def run_week_tests(week: int, workspace: Path | None, extra: list[str] | None = None,
+                   quiet: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/weekNN (fast tests only) against a workspace (or the reference if None)."""
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    if workspace is not None:
+        env[ENV_VAR] = str(Path(workspace).resolve())
+    cmd = [sys.executable, "-m", "pytest", f"tests/week{week:02d}", "-m", "not slow", "-q",
+           "-p", "no:cacheprovider", "--tb=line", "-rN",
+           "--continue-on-collection-errors"] + (extra or [])
+    return subprocess.run(cmd, cwd=REPO_DIR, env=env, capture_output=quiet, text=True)
+
+
+def _summary_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    return lines[-1].strip("= ") if lines else "no tests ran"
+
+
+def _first_failure(output: str) -> str | None:
+    for line in output.splitlines():
+        if "NotImplementedError" in line and "exercise" in line:
+            m = re.search(r"week (\d\d) exercise '([a-z0-9-]+)'", line)
+            if m:
+                return f"exercise '{m[2]}' of week {int(m[1])} is still a stub"
+    for line in output.splitlines():
+        if re.match(r"^/?\S+\.py:\d+: ", line) or line.startswith("E "):
+            return line.strip()
+    return None
+
+
+def exercise_status(week: int, workspace: Path) -> list[tuple[str, bool]]:
+    """(exercise name, written?) for one week's exercises in the workspace."""
+    status = []
+    for rel in source_files():
+        dest = workspace / "nanoserve" / rel
+        if dest.exists():
+            lines = dest.read_text().splitlines(keepends=True)
+            status += [(e.name, not is_stub(e.body(lines))) for e in find_exercises(lines, rel) if e.week == week]
+    return status
+
+
+def check(week: int, workspace: Path = DEFAULT_WORKSPACE) -> bool:
+    if not (workspace / "nanoserve").exists():
+        print(f"no workspace at {workspace}: run `python -m nanoserve.course start --week {week}` first")
+        return False
+    print(f"Week {week}: exercises in {workspace / 'nanoserve'}")
+    for name, written in exercise_status(week, workspace):
+        print(f"  [{'x' if written else ' '}] {name}{'' if written else '   (still a stub)'}")
+    result = run_week_tests(week, workspace)
+    output = result.stdout + result.stderr
+    passed = result.returncode == 0
+    print(f"Tests: {_summary_line(output)}")
+    if passed:
+        print(f"Week {week} passes. Next: `python -m nanoserve.course start --week {week + 1}`, "
+              f"then read weeks/week{week + 1:02d}/README.md.")
+    else:
+        failure = _first_failure(output)
+        if failure:
+            print(f"First failure: {failure}")
+        print(f"Next step: read weeks/week{week:02d}/README.md (its exercises section), fill in the stub, and run "
+              f"`pytest tests/week{week:02d} -x` with {ENV_VAR}={workspace} for the full details. "
+              "Stuck? `python -m nanoserve.course peek NAME` shows a solution; for week 2, "
+              "`nanoserve compare` names the first layer that differs from HuggingFace.")
+    return passed
+
+
+def progress(workspace: Path = DEFAULT_WORKSPACE) -> None:
+    print(f"{'week':>4}  {'exercises written':>17}  tests")
+    for week in weeks_with_exercises():
+        status = exercise_status(week, workspace) if (workspace / "nanoserve").exists() else []
+        written = sum(w for _, w in status)
+        result = run_week_tests(week, workspace if status else None)
+        verdict = "pass" if result.returncode == 0 else "FAIL"
+        print(f"{week:>4}  {written:>8}/{len(status) or '-':<8}  {verdict}: {_summary_line(result.stdout)}")
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanoserve course", description="take the course: stubs, checks, hints")
+    ap.add_argument("--workspace", type=Path, default=DEFAULT_WORKSPACE)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("start", help="create or update the workspace, stubbed from --week on")
+    p.add_argument("--week", type=int, required=True)
+    p = sub.add_parser("check", help="run a week's tests on the workspace (all weeks if no --week)")
+    p.add_argument("--week", type=int)
+    p = sub.add_parser("peek", help="show the reference solution of one exercise")
+    p.add_argument("exercise")
+    p = sub.add_parser("reset", help="put a week's stubs back")
+    p.add_argument("--week", type=int, required=True)
+    sub.add_parser("list", help="list every exercise")
+    args = ap.parse_args(argv)
+
+    if args.command == "start":
+        target = make_workspace(args.week, args.workspace)
+        stubbed = [e.key for e in all_exercises() if e.week >= args.week]
+        print(f"workspace ready: {target}  ({len(stubbed)} exercises to write, weeks {args.week}+)")
+        print(f"Edit the files there, then: python -m nanoserve.course check --week {args.week}")
+        return 0
+    if args.command == "check":
+        if args.week is None:
+            progress(args.workspace)
+            return 0
+        return 0 if check(args.week, args.workspace) else 1
+    if args.command == "peek":
+        try:
+            print(peek(args.exercise), end="")
+        except KeyError as e:
+            print(e.args[0], file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "reset":
+        n = reset_week(args.week, args.workspace)
+        print(f"restored {n} stub(s) of week {args.week} in {args.workspace / 'nanoserve'}")
+        return 0
+    for ex in all_exercises():
+        print(f"{ex.key:<40} nanoserve/{ex.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
