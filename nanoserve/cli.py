@@ -57,6 +57,29 @@ def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from nanoserve.engine import AsyncEngine, Engine
+    from nanoserve.server import create_app
+
+    engine = Engine(args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
+                    block_size=args.block_size, num_blocks=args.num_blocks,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+    async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
+    app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes)
+    print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
+          f"({engine.cache.num_blocks} KV blocks of {engine.cache.block_size}, {engine.attention_backend} attention)",
+          file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from nanoserve.compare import compare_with_hf, first_divergence, format_report
     from nanoserve.loader import resolve_model_dir
@@ -101,6 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("prompt")
     cmp.add_argument("--rtol", type=float, default=1e-4)
     cmp.set_defaults(func=cmd_compare)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_model(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
+    srv.add_argument("--dtype", choices=list(DTYPES), default=None)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
+    srv.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=cmd_serve)
 
     sub.add_parser("course", help="the learner's workspace: start, check, peek, reset (see nanoserve/course.py)")
     return parser

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -220,3 +221,137 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+
+# ------------------------------------------------------------------ week 10: the engine thread
+
+
+class QueueFull(RuntimeError):
+    """Too many requests in flight: the server answers 429 instead of queueing without bound."""
+
+
+class AsyncEngine:
+    """Runs an `Engine` loop on its own thread and hands each request's outputs to asyncio.
+
+    Why a thread: a forward pass holds the CPU (or waits on the GPU) for milliseconds at a time;
+    run on the event loop, it would freeze every connection while it computes. So the engine
+    owns a thread, and the asyncio side only ever talks to it through queues:
+
+        asyncio task --(inbox: add / abort, a thread-safe queue.Queue)--> engine thread
+        engine thread --(loop.call_soon_threadsafe -> an asyncio.Queue per request)--> task
+
+    The Engine object itself is touched by the engine thread alone, so it needs no locks.
+    """
+
+    def __init__(self, engine: Engine, max_pending: int = 256):
+        import queue
+        import threading
+
+        self.engine = engine
+        self.max_pending = max_pending  # requests admitted and not finished, at most
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict[int, tuple] = {}  # our key -> (event loop, asyncio.Queue)
+        self.request_ids: dict[int, int] = {}  # our key -> the engine's request id
+        self.num_pending = 0  # read and written on the event loop only
+        self._keys = itertools.count()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+
+    def start(self) -> "AsyncEngine":
+        self.thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.thread.join(timeout)
+
+    # -- the asyncio side --------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams):
+        """Submit a request and yield its `RequestOutput`s as they come (the last is finished).
+
+        If the consumer stops early (the client went away, the task was cancelled), the request
+        is aborted on the engine thread and its KV blocks are freed.
+        """
+        import asyncio
+
+        # >>> week10: async-generate
+        if self.num_pending >= self.max_pending:
+            raise QueueFull(f"{self.num_pending} requests in flight, the limit is {self.max_pending}")
+        key = next(self._keys)
+        stream: asyncio.Queue = asyncio.Queue()
+        self.num_pending += 1
+        self.inbox.put(("add", key, prompt, params, asyncio.get_running_loop(), stream))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):  # a bad request, found by the engine thread
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.num_pending -= 1
+            if not finished:
+                self.inbox.put(("abort", key))
+                self._wake.set()
+        # <<< week10: async-generate
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _send(self, key: int, item) -> None:
+        loop, stream = self.streams[key]
+        loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _handle_inbox(self) -> None:
+        import queue
+
+        while True:
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, key, prompt, params, loop, stream = command
+                self.streams[key] = (loop, stream)
+                try:
+                    self.request_ids[key] = self.engine.add_request(prompt, params)
+                except ValueError as e:  # e.g. a prompt that can never fit: tell that request only
+                    self._send(key, e)
+                    del self.streams[key]
+            else:
+                _, key = command
+                rid = self.request_ids.pop(key, None)
+                self.streams.pop(key, None)
+                if rid is not None:
+                    self.engine.abort(rid)
+
+    def _run(self) -> None:
+        # >>> week10: engine-thread
+        while not self._stop.is_set():
+            self._handle_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)  # sleep until a request arrives
+                self._wake.clear()
+                continue
+            by_request = {rid: key for key, rid in self.request_ids.items()}
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must not kill the server: fail the requests in flight
+                for key, rid in list(self.request_ids.items()):
+                    self.engine.abort(rid)
+                    self._send(key, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+                self.request_ids.clear()
+                self.streams.clear()
+                continue
+            for out in outputs:
+                key = by_request.get(out.request_id)
+                if key is None or key not in self.streams:
+                    continue  # aborted meanwhile
+                self._send(key, out)
+                if out.finished:
+                    del self.streams[key], self.request_ids[key]
+        # <<< week10: engine-thread
