@@ -120,3 +120,66 @@ def check_block_invariants(scheduler, batch=None) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert len(seq.block_table) * scheduler.block_size >= seq.num_computed + n, \
                 f"sequence {seq.seq_id}'s block table does not cover its tokens"
+
+
+# ------------------------------------------------------------------------- a real test server
+
+
+class ServerThread:
+    """The real nanoserve server (uvicorn + FastAPI + the engine thread) on a loopback port.
+
+        with ServerThread(engine_kwargs=dict(model="tiny", device="cpu")) as server:
+            httpx.get(server.url + "/health")
+    """
+
+    def __init__(self, engine_kwargs: dict | None = None, model_name: str = "tiny", api_key: str | None = None,
+                 max_pending: int = 256, max_body_bytes: int = 1 << 20):
+        import socket
+
+        from nanoserve.engine import AsyncEngine, Engine
+        from nanoserve.server import create_app
+
+        kwargs = dict(model="tiny", device="cpu")
+        kwargs.update(engine_kwargs or {})
+        self.engine = Engine(**kwargs)
+        self.async_engine = AsyncEngine(self.engine, max_pending=max_pending)
+        self.app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+        with socket.socket() as s:  # a free loopback port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        import threading
+        import time
+
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.async_engine.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.async_engine.shutdown()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until no request is in flight and every KV block is free again."""
+        import time
+
+        alloc = self.engine.scheduler.allocator
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.engine.has_unfinished() and alloc.num_free == alloc.num_blocks:
+                return True
+            time.sleep(0.02)
+        return False
