@@ -99,6 +99,30 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
 # ---------------------------------------------------------------------------------- the app
 
 
+class Guard:
+    """Authentication and the body size limit, checked before any handler reads the body."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = None
+            if self.api_key is not None and scope["path"].startswith("/v1/"):
+                if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                    error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                     code="invalid_api_key", type_="authentication_error")
+            length = headers.get(b"content-length", b"")
+            if error is None and length.isdigit() and int(length) > self.max_body_bytes:
+                error = APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="body_too_large")
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16) -> FastAPI:
     app = FastAPI(title="nanoserve", version="0.1.0")
@@ -106,21 +130,17 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     max_model_len = engine.engine.max_model_len
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Authentication and the body size limit, before any handler reads the body."""
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                code="invalid_api_key", type_="authentication_error").response()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return APIError(413, f"request body larger than {max_body_bytes} bytes", code="body_too_large").response()
-        return await call_next(request)
+    # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
+    # disconnects from the handlers, and we need them to abort abandoned requests.
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug, not the client's fault
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").response()
 
     @app.get("/health")
     async def health():
@@ -213,6 +233,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         last = await collect(request, outputs, first)
+        if last is None:  # nobody is listening any more
+            return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
+                                           "param": None, "code": None}}, status_code=499)
         usage = _usage(len(prompt_ids), len(last.token_ids))
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
@@ -229,8 +252,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def collect(request: Request, outputs, first: RequestOutput) -> RequestOutput:
-    """Await the last output, aborting the request if the client disconnects meanwhile."""
+async def collect(request: Request, outputs, first: RequestOutput) -> RequestOutput | None:
+    """Await the last output. If the client disconnects meanwhile, abort and return None."""
     last = first
 
     async def consume():
@@ -238,20 +261,23 @@ async def collect(request: Request, outputs, first: RequestOutput) -> RequestOut
         async for out in outputs:
             last = out
 
-    if not first.finished:
-        task = asyncio.ensure_future(consume())
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if not done and await request.is_disconnected():
-                    task.cancel()  # the generator's `finally` aborts the request
-                    break
-            await task
-        finally:
-            if not task.done():
-                task.cancel()
-            await outputs.aclose()
-    return last
+    if first.finished:
+        await outputs.aclose()
+        return last
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()  # the engine generator's `finally` aborts the request
+                await asyncio.wait({task})
+                return None
+        task.result()  # re-raises what the engine reported, if anything
+        return last
+    finally:
+        if not task.done():  # the handler itself was cancelled
+            task.cancel()
+        await outputs.aclose()
 
 
 async def sse_events(outputs, first: RequestOutput, meta: dict, chat: bool, include_usage: bool,

@@ -101,7 +101,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival <= now:
             queue.append(arrivals[next_arrival])
             next_arrival += 1
-        if not running and not queue:  # idle: jump to the next arrival
+        if not running and not queue:  # idle: record it, then jump to the next arrival
+            result.timeline.append((now, 0, 0))
             now = arrivals[next_arrival].arrival
             continue
         admitted: list[SimRequest] = []

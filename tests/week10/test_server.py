@@ -73,25 +73,6 @@ def test_chat_with_the_openai_client(client, reference):
     assert resp.object == "chat.completion"
 
 
-def test_streaming_with_the_openai_client(client):
-    plain = client.completions.create(model="tiny", prompt="A dictionary", max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(model="tiny", prompt="A dictionary", max_tokens=16, temperature=0,
-                                            stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
-
-    messages = [{"role": "user", "content": "Hello"}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == plain.choices[0].message.content
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
-
-
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, seed=1234)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -177,17 +158,21 @@ def slow_down(server, seconds=0.05):
 
 
 def test_a_full_queue_answers_429_with_retry_after():
+    import time
+
     with ServerThread(max_pending=1) as s:
         slow_down(s)
-        long = {**GOOD, "max_tokens": 500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as first:
-            assert first.status_code == 200
-            lines = first.iter_lines()  # keep the iterator: dropping it would close the stream
-            next(lines)  # the first request is now in flight
-            busy = post(s, "/v1/completions", GOOD)
-            assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
-            assert busy.json()["error"]["code"] == "server_overloaded"
-        assert s.wait_idle()  # leaving the stream early aborted the first request
+        long = {**GOOD, "max_tokens": 60, "ignore_eos": True}
+        first = threading.Thread(target=post, args=(s, "/v1/completions", long))
+        first.start()
+        deadline = time.time() + 10
+        while s.async_engine.num_pending == 0 and time.time() < deadline:
+            time.sleep(0.01)  # until the first request is in flight
+        busy = post(s, "/v1/completions", GOOD)
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["code"] == "server_overloaded"
+        first.join()
+        assert s.wait_idle()
         assert post(s, "/v1/completions", GOOD).status_code == 200
 
 
