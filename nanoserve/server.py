@@ -128,6 +128,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="nanoserve", version="0.1.0")
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
+    vocab_size = engine.engine.model.config.vocab_size  # token ids the embedding accepts
     created = int(time.time())
 
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
@@ -188,10 +189,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if isinstance(prompt, str) and prompt:
             prompt_ids = tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         and 0 <= t < tokenizer.vocab_size for t in prompt):
+                                                         and 0 <= t < vocab_size for t in prompt):
             prompt_ids = list(prompt)  # already tokenized
         else:
-            raise APIError(400, "'prompt' is required: a non-empty string, or a list of token ids", param="prompt")
+            raise APIError(400, f"'prompt' is required: a non-empty string, or a list of token ids in [0, {vocab_size})",
+                           param="prompt")
         check_length(prompt_ids, params, "prompt")
         return await respond(request, body, prompt_ids, params, chat=False)
 

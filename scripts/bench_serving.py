@@ -41,6 +41,8 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
             choice = json.loads(line[6:])["choices"][0]
             if choice["text"] or choice["finish_reason"] is None:
                 times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("the stream carried no token")
     return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
             "end": times[-1], "start": start}
 

@@ -2,9 +2,10 @@
 
     python scripts/make_random_checkpoint.py --out /tmp/llama-3.2-1b-random [--dtype bfloat16] [--device cuda]
 
-The weights are HuggingFace's own random initialisation (std 0.02) saved with `save_pretrained`,
-next to the tiny model's tokenizer files: token ids above its 4096-entry vocabulary decode to
-nothing, which is fine for measuring speed. Speed does not depend on what the weights are.
+The weights are HuggingFace's own random initialisation (std 0.02) saved with `save_pretrained`.
+The tokenizer is a synthetic word-level one covering the whole 128,256-token vocabulary (token i
+is the word "w<i>"), so that every generated token decodes to some text and streams as its own
+chunk, as a real tokenizer's would. Speed does not depend on what the weights or words are.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import argparse
 import torch
 
 from nanoserve.testing import LLAMA_3_2_1B, save_checkpoint
+
+
+def write_word_tokenizer(out: str, vocab_size: int) -> None:
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(Path(out) / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w128000", "eos_token": "w128001",
+              "model_max_length": 131072}
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def main() -> None:
@@ -27,7 +42,8 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(args.device):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B)).to(getattr(torch, args.dtype))
-    save_checkpoint(model, args.out)
+    save_checkpoint(model, args.out, with_tokenizer=False)
+    write_word_tokenizer(args.out, LLAMA_3_2_1B["vocab_size"])
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()):,} parameters in {args.dtype}")
 
 
