@@ -107,7 +107,7 @@ def test_week_tests_catch_their_own_stubs(week, tmp_path):
     assert failing.returncode in (1, 2), (
         f"tests/week{week:02d} pass on a workspace where week {week} is only stubs: they check nothing\n"
         + failing.stdout[-2000:])
-    assert "NotImplementedError" in failing.stdout + failing.stderr
+    # (Server tests see a stub only as a dropped connection, so the output need not name it.)
     if any(w > week for w in EXERCISE_WEEKS):
         ws_next = tmp_path / "next"
         course.make_workspace(week + 1, ws_next, keep_learner_work=False)

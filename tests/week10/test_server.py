@@ -20,7 +20,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def test_stop_strings_never_leak_into_the_stream(server):
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_streaming_with_the_openai_client(client):
