@@ -109,15 +109,10 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
-    import torch
+    from bench_common import save_result
 
-    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), model=args.model, kv_blocks=health["kv_blocks_total"],
+    save_result(args.out, "serving", model=args.model, kv_blocks=health["kv_blocks_total"],
                 prompt_len=prompt_len, output_len=output_len, rows=rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(meta, indent=2))
-    print(f"wrote {out / 'serving.json'}")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,8 @@ steps and preemptions, and writes a JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -71,13 +69,9 @@ def main() -> None:
         results.append(row)
         print(f"{name:>22}: {row['output_tok_s']:8.0f} output tok/s  {elapsed:6.1f} s  {row['steps']} steps  "
               f"{row['preemptions']} preemptions  ({row['kv_blocks']} KV blocks of {row['block_size']})", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                torch=torch.__version__, date=time.strftime("%Y-%m-%d"), num_requests=args.num_requests,
-                model=args.model, rows=results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(meta, indent=2))
-    print(f"wrote {out / 'throughput.json'}")
+    from bench_common import save_result
+
+    save_result(args.out, "throughput", num_requests=args.num_requests, model=args.model, rows=results)
 
 
 if __name__ == "__main__":
