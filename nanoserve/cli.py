@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
                     block_size=args.block_size, num_blocks=args.num_blocks,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+                    cuda_graphs=not args.no_cuda_graphs)
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes)
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)
 

@@ -84,7 +84,7 @@ class Engine:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  attention_backend: str | None = None, scheduler_policy: str = "continuous",
-                 preemption: bool = True, trace: bool = False):
+                 preemption: bool = True, trace: bool = False, cuda_graphs: bool | None = None):
         device = device or default_device()
         self.attention_backend = select_backend(device, attention_backend)
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -97,11 +97,20 @@ class Engine:
         if num_blocks is None:
             per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
             num_blocks = max(1, (kv_cache_memory or self._default_kv_memory(device)) // per_block)
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                  dtype=dtype, device=device)
+        # Week 12: CUDA graphs for decode steps (CUDA + Triton only). They need one scratch block
+        # beyond the pool the scheduler hands out, for the padding rows of a padded batch.
+        use_graphs = (cuda_graphs if cuda_graphs is not None else device.startswith("cuda")) \
+            and self.attention_backend == "triton" and device.startswith("cuda")
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=dtype, device=device)
         self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                    self.max_model_len, policy=scheduler_policy, preemption=preemption)
         self.runner = ModelRunner(self.model, self.cache, self.attention_backend)
+        if use_graphs:
+            from nanoserve.cuda_graphs import CUDAGraphDecoder
+
+            self.runner.graph_decoder = CUDAGraphDecoder(self.model, self.cache, scratch_block=num_blocks,
+                                                         max_model_len=self.max_model_len, max_batch=max_num_seqs)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

@@ -81,8 +81,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, head_dim], in `dtype`."""
         # >>> week01: rope-cos-sin
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
+        if self.inv_freq.device != positions.device:  # move once, not every step (CUDA graphs forbid it)
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
         # Channel i and channel i + head_dim/2 form one rotating pair ("rotate half" layout).
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)

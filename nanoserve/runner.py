@@ -27,13 +27,14 @@ class ModelRunner:
         self.cache = cache
         self.device = model.embed_tokens.weight.device
         self.context_class = PagedContext
+        self.graph_decoder = None  # week 12: set by the engine when decode steps use CUDA graphs
         if attention_backend == "triton":  # week 6: same context interface, Triton inside
             from nanoserve.kernels.triton_backend import TritonPagedContext
 
             self.context_class = TritonPagedContext
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        """Batch -> (input_ids [T], positions [T], the attention context)."""
+    def metadata(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
+        """Batch -> python lists: input_ids, positions, slots, query_start_loc, context_lens, tables."""
         # >>> week05: prepare-inputs
         block_size = self.cache.block_size
         input_ids: list[int] = []
@@ -48,9 +49,15 @@ class ModelRunner:
             slots += [slot_of(seq.block_table, p, block_size) for p in range(start, start + n)]
             query_start_loc.append(query_start_loc[-1] + n)
             context_lens.append(start + n)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        tables = [seq.block_table for seq in batch.seqs]
+        return input_ids, positions, slots, query_start_loc, context_lens, tables
         # <<< week05: prepare-inputs
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+        """Batch -> (input_ids [T], positions [T], the attention context)."""
+        input_ids, positions, slots, query_start_loc, context_lens, tables = self.metadata(batch)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]  # padded: one rectangular tensor
         dev = self.device
         ctx = self.context_class(
             self.cache,
@@ -65,6 +72,10 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass -> logits [N, vocab] (float32), one row per scheduled sequence."""
+        graphs = self.graph_decoder
+        if graphs is not None and graphs.fits(len(batch)) and all(n == 1 for n in batch.num_new_tokens):
+            input_ids, positions, slots, _, context_lens, tables = self.metadata(batch)
+            return graphs.run(input_ids, positions, slots, tables, context_lens)  # week 12: one replay
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         last = torch.tensor(ctx.last_token_indices, device=self.device)

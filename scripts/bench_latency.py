@@ -31,7 +31,7 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes * 20 / (time.perf_counter() - start)  # bytes read + written per second
 
 
-def nanoserve_decode(model: str, prompt: list[int], new_tokens: int, profile: bool = False) -> tuple[float, int]:
+def nanoserve_decode(model: str, prompt: list[int], new_tokens: int, profile: bool = False) -> tuple[float, int, str]:
     from nanoserve.engine import Engine
     from nanoserve.sampling import SamplingParams
 
@@ -44,6 +44,7 @@ def nanoserve_decode(model: str, prompt: list[int], new_tokens: int, profile: bo
             engine.step()
             times.append(time.perf_counter())
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    label = "nanoserve (CUDA graphs)" if engine.runner.graph_decoder is not None else "nanoserve (eager)"
     if profile:  # where the time of a decode step goes
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -58,7 +59,7 @@ def nanoserve_decode(model: str, prompt: list[int], new_tokens: int, profile: bo
         engine.abort(next(iter(engine.requests)))
     del engine
     torch.cuda.empty_cache()
-    return (new_tokens - 1) / (times[-1] - times[0]), weights
+    return (new_tokens - 1) / (times[-1] - times[0]), weights, label
 
 
 def hf_decode(model: str, prompt: list[int], new_tokens: int) -> float:
@@ -91,10 +92,10 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 100000) for _ in range(args.prompt_len)]
     bandwidth = copy_bandwidth()
-    ours, weight_bytes = nanoserve_decode(args.model, prompt, args.new_tokens, args.profile)
+    ours, weight_bytes, label = nanoserve_decode(args.model, prompt, args.new_tokens, args.profile)
     theirs = hf_decode(args.model, prompt, args.new_tokens)
     roofline = bandwidth / weight_bytes
-    rows = [dict(engine="nanoserve (eager)", tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline),
+    rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline),
             dict(engine="HF transformers generate", tok_s=theirs, ms_per_token=1e3 / theirs,
                  pct_roofline=100 * theirs / roofline)]
     print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s "
