@@ -271,6 +271,25 @@ class AsyncEngine:
         self.thread.start()
         return self
 
+    # What the server may know about the engine: no model, no tensors, only these facts.
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts (may exceed the tokenizer's own vocabulary)."""
+        return self.engine.model.config.vocab_size
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks, for health checks."""
+        alloc = self.engine.scheduler.allocator
+        return alloc.num_free, alloc.num_blocks
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()

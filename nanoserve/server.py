@@ -126,9 +126,9 @@ class Guard:
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16) -> FastAPI:
     app = FastAPI(title="nanoserve", version="0.1.0")
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
-    vocab_size = engine.engine.model.config.vocab_size  # token ids the embedding accepts
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    vocab_size = engine.vocab_size
     created = int(time.time())
 
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
@@ -145,9 +145,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        alloc = engine.engine.scheduler.allocator
+        free, total = engine.kv_blocks()
         return {"status": "ok", "requests_in_flight": engine.num_pending,
-                "kv_blocks_free": alloc.num_free, "kv_blocks_total": alloc.num_blocks}
+                "kv_blocks_free": free, "kv_blocks_total": total}
 
     @app.get("/v1/models")
     async def models():

@@ -172,6 +172,28 @@ class ServerThread:
         self.thread.join(10)
         self.async_engine.shutdown()
 
+    def slowed(self, seconds: float = 0.02):
+        """A context in which every engine step takes `seconds` longer, so that a request stays
+        in flight long enough for a test to act on it (disconnect, fill the queue)."""
+        import contextlib
+        import time
+
+        @contextlib.contextmanager
+        def slow():
+            step = self.engine.step
+
+            def slow_step():
+                time.sleep(seconds)
+                return step()
+
+            self.engine.step = slow_step
+            try:
+                yield self
+            finally:
+                self.engine.step = step
+
+        return slow()
+
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Wait until no request is in flight and every KV block is free again."""
         import time

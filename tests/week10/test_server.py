@@ -144,24 +144,10 @@ def test_api_key():
         assert ok.completions.create(model="tiny", prompt="The", max_tokens=2).choices[0].text is not None
 
 
-def slow_down(server, seconds=0.05):
-    """Make every engine step take a while, so a request stays in flight while we poke at it."""
-    import time
-
-    step = server.engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-
-    server.engine.step = slow_step
-
-
 def test_a_full_queue_answers_429_with_retry_after():
     import time
 
-    with ServerThread(max_pending=1) as s:
-        slow_down(s)
+    with ServerThread(max_pending=1) as s, s.slowed(0.05):
         long = {**GOOD, "max_tokens": 60, "ignore_eos": True}
         first = threading.Thread(target=post, args=(s, "/v1/completions", long))
         first.start()

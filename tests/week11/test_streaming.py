@@ -142,17 +142,9 @@ def test_64_concurrent_streams_equal_offline_generation(server):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    import time
 
     engine = server.engine
-    step = engine.step
-
-    def slow_step():  # slow the engine down so the request is surely still running
-        time.sleep(0.02)
-        return step()
-
-    engine.step = slow_step
-    try:
+    with server.slowed(0.02):  # so the request is surely still running when the client leaves
         body = {"model": "tiny", "prompt": "The list", "max_tokens": 1000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
@@ -163,27 +155,14 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         # The client is gone: the server aborts the request and every block comes back.
         assert server.wait_idle(timeout=10)
         assert not engine.requests and server.async_engine.num_pending == 0
-    finally:
-        engine.step = step
     ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "The", "max_tokens": 3})
     assert ok.status_code == 200
 
 
 def test_disconnect_during_a_plain_request_aborts_it(server):
-    import time
 
-    engine = server.engine
-    step = engine.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    engine.step = slow_step
-    try:
+    with server.slowed(0.02):
         body = {"model": "tiny", "prompt": "The list", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
         assert server.wait_idle(timeout=10)
-    finally:
-        engine.step = step
