@@ -41,3 +41,26 @@ def test_engine_with_triton_backend_matches_hf(tmp_path):
                                min_new_tokens=n_new, do_sample=False)[0, len(prompt):].tolist()
         assert out.token_ids == expected
     assert llm.engine.scheduler.allocator.num_free == 64
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(tmp_path):
+    """Week 12's CUDA-graph decode steps are a pure speed-up: the same tokens as eager steps,
+    for a batch whose size is padded up to a captured size, in float32."""
+    path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config(num_hidden_layers=2))
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 60)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
+                  num_blocks=64, max_num_seqs=8, max_model_len=256, cuda_graphs=graphs)
+        assert (llm.engine.runner.graph_decoder is not None) == graphs
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.scheduler.allocator.num_free == 64
+    assert outs[True] == outs[False]
+    hf = hf.to("cuda")
+    for prompt, got in zip(prompts, outs[True]):
+        expected = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                               do_sample=False)[0, len(prompt):].tolist()
+        assert got == expected
