@@ -1,4 +1,4 @@
-"""The `nanoserve` command line: `generate`, `compare` (and, in later weeks, `serve`)."""
+"""The `nanoserve` command line: `generate`, `compare`, `serve`, `bench` and `course`."""
 
 from __future__ import annotations
 
@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="latency, throughput and serving benchmarks, HuggingFace side by side")
+    from nanoserve.bench import add_arguments, run as run_bench
+
+    add_arguments(bench)
+    bench.set_defaults(func=run_bench)
 
     sub.add_parser("course", help="the learner's workspace: start, check, peek, reset (see nanoserve/course.py)")
     return parser

@@ -1,17 +1,26 @@
-"""Week 12: decode steps replayed from CUDA graphs.
+"""Week 12: decode steps replayed from CUDA graphs, fed by a lean host side.
 
 At batch 1 an eager decode step of Llama-3.2-1B launches about 535 kernels, and the host takes
 far longer to issue them than the GPU takes to run them. A CUDA graph records the whole forward
 pass once and replays it with a single launch. The price: a graph replays *exactly* what it
 recorded, so every tensor it touches must live at a fixed address with a fixed shape:
 
-- the inputs (token ids, positions, slot mapping, block tables, context lengths) are copied into
-  preallocated buffers before each replay;
+- the inputs (token ids, positions, slot mapping, context lengths, block tables) live in
+  preallocated device buffers; each step copies the new values into them;
 - one graph per batch size in `CAPTURE_SIZES`; a batch is padded up to the next size, and the
   padding rows write their K/V into a scratch block that no sequence owns;
-- the attention kernel's launch shape (its context splits) is fixed at capture time, sized for
-  the longest context the engine allows.
+- the attention kernel's launch grid (its number of context splits) is fixed at capture time;
+  the kernel cuts each sequence's own context into that many slices when it runs.
 Prefill steps, and batches larger than the largest size, run eagerly as before.
+
+Once the GPU work is one replay, the host work around it is what is left, so the inputs are
+staged without per-step allocation: host mirrors of the buffers (pinned, so the copies are
+asynchronous), filled from the sequences with plain Python and NumPy, and sent with one copy for
+the four per-sequence inputs and one for the block tables. A block-table row is rewritten only
+when its sequence or its number of blocks changed (once every `block_size` steps per sequence).
+
+Without a GPU (`capture=False`), the same buffers feed an eager forward pass: the padding and
+the bookkeeping behave identically, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from nanoserve.model import Llama
+from nanoserve.scheduler import Sequence
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -43,30 +53,50 @@ class StaticDecodeContext:
                                       self.max_context, num_splits=self.num_splits)
 
 
+def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
+    """The smallest captured batch size that holds n sequences."""
+    # >>> week12: padded-size
+    return next(s for s in sizes if s >= n)
+    # <<< week12: padded-size
+
+
 class CUDAGraphDecoder:
     """Captures one decode graph per batch size and replays it with fresh inputs."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int = 256):
+                 max_batch: int = 256, capture: bool | None = None):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
-        self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch]
+        self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
         device = model.embed_tokens.weight.device
-        n, width = self.sizes[-1], -(-max_model_len // cache.block_size)
-        self.scratch_slot = scratch_block * cache.block_size
+        self.capture = device.type == "cuda" if capture is None else capture
+        n = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // cache.block_size)
         self.scratch_block = scratch_block
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.scratch_slot = scratch_block * cache.block_size
+        # Device buffers at fixed addresses: the graphs read them. inputs rows: token ids,
+        # positions, slots, context lengths.
+        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.inputs[2] = self.scratch_slot
+        self.inputs[3] = 1
+        self.block_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.tables_staging = torch.empty(n * self.max_blocks, dtype=torch.int32, device=device)
+        # Host mirrors. Pinned memory lets the copies run asynchronously.
+        pin = device.type == "cuda"
+        self.host_inputs = self.inputs.cpu().pin_memory() if pin else self.inputs.clone()
+        self.host_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32).numpy()
+        self.host_compact = torch.empty(n * self.max_blocks, dtype=torch.int32)
+        if pin:
+            self.host_compact = self.host_compact.pin_memory()
+        self.row_owner: list[tuple | None] = [None] * n  # which table each host row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self._capture()
+        if self.capture:
+            self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
-        ctx = StaticDecodeContext(self.cache, self.slot_mapping[:bs], self.block_tables[:bs],
-                                  self.context_lens[:bs], self.max_model_len)
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        input_ids, positions, slots, context_lens = self.inputs[:, :bs]
+        ctx = StaticDecodeContext(self.cache, slots, self.block_tables[:bs], context_lens, self.max_model_len)
+        hidden = self.model(input_ids, positions, ctx)
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
@@ -85,20 +115,49 @@ class CUDAGraphDecoder:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
 
-    @torch.no_grad()
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """One decode step for n sequences -> logits [n, vocab]."""
-        n = len(input_ids)
-        bs = next(s for s in self.sizes if s >= n)
+    def stage(self, seqs: list[Sequence]) -> int:
+        """Copy one decode step's inputs into the static buffers; returns the padded batch size."""
+        # >>> week12: stage-inputs
+        n, block_size = len(seqs), self.cache.block_size
+        bs = padded_size(n, self.sizes)
+        ids, positions, slots, lens = [], [], [], []
+        width = 1
+        for i, seq in enumerate(seqs):
+            pos, table = seq.num_computed, seq.block_table  # the new token's position, its blocks
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            lens.append(pos + 1)
+            width = max(width, len(table))
+            owner = (seq.seq_id, seq.num_preemptions, len(table))  # a table only grows, until preempted
+            if self.row_owner[i] != owner:  # another sequence, or a new block: rewrite the row
+                self.host_tables[i, : len(table)] = table
+                self.row_owner[i] = owner
+        # Padding rows: token 0 at position 0, written to the scratch slot, context of 1. Their
+        # block-table rows keep whatever they held: they only read one slot, and nobody uses it.
         pad = bs - n
-        width = max(len(t) for t in tables)  # entries past a row's context are never read
-        rows = [t + [self.scratch_block] * (width - len(t)) for t in tables] + [[self.scratch_block] * width] * pad
-        # One host->device copy per buffer; padding rows point at the scratch block.
-        self.input_ids[:bs].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bs].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bs].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
-        self.context_lens[:bs].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bs, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        host = self.host_inputs.numpy()
+        host[0, :bs] = ids + [0] * pad
+        host[1, :bs] = positions + [0] * pad
+        host[2, :bs] = slots + [self.scratch_slot] * pad
+        host[3, :bs] = lens + [1] * pad
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        # The block tables: only the [bs, width] corner changes; pack it, send it, unpack on the GPU.
+        compact = self.host_compact[: bs * width]
+        compact.numpy().reshape(bs, width)[:] = self.host_tables[:bs, :width]
+        staged = self.tables_staging[: bs * width]
+        staged.copy_(compact, non_blocking=True)
+        self.block_tables[:bs, :width].copy_(staged.view(bs, width))
+        return bs
+        # <<< week12: stage-inputs
+
+    @torch.no_grad()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step for the sequences (one new token each) -> logits [n, vocab]."""
+        bs = self.stage(seqs)
+        if self.capture:
+            self.graphs[bs].replay()
+            logits = self.logits[bs]
+        else:
+            logits = self._forward(bs)
+        return logits[: len(seqs)]

@@ -61,6 +61,7 @@ class _Request:
     text: str = ""
     emitted: int = 0  # characters of `text` already delivered as deltas
     stop: list[str] = field(default_factory=list)
+    stream: bool = True  # False: no output until the end, and the text is decoded once
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -97,10 +98,12 @@ class Engine:
         if num_blocks is None:
             per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
             num_blocks = max(1, (kv_cache_memory or self._default_kv_memory(device)) // per_block)
-        # Week 12: CUDA graphs for decode steps (CUDA + Triton only). They need one scratch block
-        # beyond the pool the scheduler hands out, for the padding rows of a padded batch.
+        # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA). They need
+        # one scratch block beyond the pool the scheduler hands out, for the padding rows of a
+        # padded batch. `cuda_graphs=True` on the CPU runs the same static buffers and padding
+        # without capturing anything: that is how the CPU tests check them.
         use_graphs = (cuda_graphs if cuda_graphs is not None else device.startswith("cuda")) \
-            and self.attention_backend == "triton" and device.startswith("cuda")
+            and self.attention_backend == "triton"
         self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=dtype, device=device)
         self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
@@ -127,8 +130,14 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a prompt (text or token ids); returns its request id."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = True) -> int:
+        """Queue a prompt (text or token ids); returns its request id.
+
+        With `stream=False` the request produces one output, when it finishes, and its text is
+        decoded once at the end instead of token by token (unless it has stop strings, which
+        must be looked for as the text grows).
+        """
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -139,7 +148,8 @@ class Engine:
         seq = Sequence(ids, params, stop_ids=frozenset(stop_ids),
                        generator=make_generator(params.seed, self.runner.device))
         self.scheduler.add(seq)
-        self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), stop=params.stop)
+        self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), stop=params.stop,
+                                             stream=stream or bool(params.stop))
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
@@ -163,23 +173,30 @@ class Engine:
         logits = self.runner.execute(batch)  # [N, vocab]
         seqs = batch.seqs
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                        [s.token_ids for s in seqs]).tolist()
+                        [s.token_ids for s in seqs]).tolist()  # the step's one device->host copy
         self.scheduler.update(batch, tokens)
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
                                          [s.seq_id for s in seqs], list(batch.num_new_tokens),
                                          len(self.scheduler.waiting), self.scheduler.allocator.num_used))
-        return [self._process(seq) for seq in seqs if seq.seq_id in self.requests]
+        return [self._process(seq) for seq in seqs if self._has_output(seq)]
         # <<< week05: engine-step
+
+    def _has_output(self, seq: Sequence) -> bool:
+        req = self.requests.get(seq.seq_id)  # None: aborted meanwhile
+        return req is not None and (req.stream or seq.is_finished)
 
     def _process(self, seq: Sequence) -> RequestOutput:
         """Detokenize the new token, apply stop strings, and build the request's output."""
         req = self.requests[seq.seq_id]
         token = seq.output_ids[-1]
-        if not (seq.finish_reason == "stop" and token in seq.stop_ids):  # stop tokens add no text
+        stopped_by_token = seq.finish_reason == "stop" and token in seq.stop_ids  # it adds no text
+        if not req.stream:  # offline, no stop strings: decode the whole output once, at the end
+            req.text = self.tokenizer.decode(seq.output_ids[:-1] if stopped_by_token else seq.output_ids)
+        elif not stopped_by_token:
             req.text += req.detok.add(token)
-        if seq.is_finished:
+        if seq.is_finished and req.stream:
             req.text += req.detok.flush()
         # >>> week05: stop-strings
         found = [i for i in (req.text.find(s, req.emitted) for s in req.stop) if i != -1]
@@ -218,7 +235,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
         results: dict[int, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(prompts) >= 32
         from tqdm.auto import tqdm

@@ -73,9 +73,8 @@ class ModelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass -> logits [N, vocab] (float32), one row per scheduled sequence."""
         graphs = self.graph_decoder
-        if graphs is not None and graphs.fits(len(batch)) and all(n == 1 for n in batch.num_new_tokens):
-            input_ids, positions, slots, _, context_lens, tables = self.metadata(batch)
-            return graphs.run(input_ids, positions, slots, tables, context_lens)  # week 12: one replay
+        if graphs is not None and graphs.fits(len(batch)) and batch.num_tokens == len(batch):  # all decodes
+            return graphs.run(batch.seqs)  # week 12: one replay
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         last = torch.tensor(ctx.last_token_indices, device=self.device)

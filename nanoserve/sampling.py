@@ -96,18 +96,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams],
                     seen: list[list[int]] | None = None) -> torch.Tensor:
-    """Everything but the draw: penalty, temperature, top-k, top-p. Greedy rows are only penalized."""
+    """Everything but the draw: penalty, temperature, top-k, top-p. Greedy rows are only penalized.
+
+    Which steps a batch needs is decided from `params`, on the host: asking the GPU ("does any
+    row have a penalty?") would make the host wait for it.
+    """
     device = logits.device
     logits = logits.float()
-    penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
-    if seen is not None and bool((penalties != 1.0).any()):
+    if seen is not None and any(p.repetition_penalty != 1.0 for p in params):
+        penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
         logits = apply_repetition_penalty(logits, penalties, seen)
-    # Greedy rows get temperature 1 here: only their argmax matters.
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    logits = logits / temps[:, None]
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any(p.temperature not in (0.0, 1.0) for p in params):
+        # Greedy rows get temperature 1 here: only their argmax matters.
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        logits = logits / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
         logits = apply_top_k_top_p(logits, top_k, top_p)
     return logits
 
@@ -122,9 +127,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """
     # >>> week03: sample
     logits = filtered_logits(logits, params, seen)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):  # decided on the host: no waiting for the GPU
         return logits.argmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     probs = logits.softmax(dim=-1)  # [N, V]
     # Draw by "exponential race": argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability
     # p_i. Each row's noise can come from its own generator, so a seeded row is reproducible.

@@ -54,10 +54,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
+    token_ids: list[int] = field(init=False)  # prompt + output, kept up to date by `update`
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -299,6 +299,7 @@ class Scheduler:
                 continue
             seq.num_computed += n
             seq.output_ids.append(token)
+            seq.token_ids.append(token)
             seq.token_times.append(now)
             if token in seq.stop_ids:
                 self.finish(seq, "stop")

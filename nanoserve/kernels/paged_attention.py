@@ -39,8 +39,7 @@ def _paged_decode_kernel(
     stride_bt_seq,
     stride_o_seq, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
-    partition,  # tokens per context split (a multiple of BLOCK_N)
-    num_splits,
+    num_splits,  # programs per (sequence, KV head), each taking one slice of the context
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to >= 16 (the smallest tile tl.dot takes)
     HEAD_DIM: tl.constexpr,
@@ -54,6 +53,7 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + seq)
+    partition = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N  # this sequence's slice
     start = split * partition
     end = tl.minimum(start + partition, context_len)
 
@@ -148,7 +148,7 @@ def paged_decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
     context_lens: torch.Tensor,  # [num_seqs] int
-    max_context: int,  # an upper bound on context_lens (host-side, to size the splits)
+    max_context: int,  # an upper bound on context_lens (host-side, to choose the number of splits)
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -162,8 +162,6 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
     block_n = max(16, min(block_n, triton.next_power_of_2(max_context)))
-    partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context, partition)
     if num_splits > 1:
         partial_acc = torch.empty(num_seqs * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
         partial_m = torch.empty(num_seqs * num_heads * num_splits, device=q.device, dtype=torch.float32)
@@ -178,7 +176,7 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, partition, num_splits,
+        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,

@@ -1,0 +1,521 @@
+"""Week 12: `nanoserve bench`, three measurements with HuggingFace side by side.
+
+    nanoserve bench latency    --model DIR    batch-1 decode tok/s, next to the bandwidth roofline
+    nanoserve bench throughput --model DIR    offline: N requests at once, output tok/s
+    nanoserve bench serving    --model DIR    Poisson arrivals over HTTP: TTFT and ITL p50/p99
+    nanoserve bench all        --model DIR    the three, one after the other
+
+Every run prints a table and writes `<out>/<name>.json` (the numbers, the machine, the
+software, the date and the command) and `<out>/<name>.png`. `--quick` shrinks every workload
+so that the whole thing runs in a minute on a CPU with the bundled tiny model (CI runs it).
+
+The workloads (random token ids; EOS ignored, so every request produces exactly its length):
+- latency: one prompt of --prompt-len tokens, --new-tokens greedy tokens. Decode speed leaves the
+  prefill out: (tokens - 1) / (time from the first token to the last). The roofline is the speed
+  of a step that does nothing but read every weight once at the measured copy bandwidth.
+- throughput: --num-requests requests, prompt and output lengths uniform in --prompt-len and
+  --output-len ([100, 1024] each by default), all submitted at once.
+- serving: `nanoserve serve` in its own process; streaming requests with exponential gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QUICK = dict(prompt_len=16, new_tokens=24, num_requests=8, lengths=(8, 32), rates="4", requests=6,
+             output_len=(8, 16))
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def copy_bandwidth(device: str, nbytes: int = 2**30) -> float:
+    """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    nbytes = nbytes if device.startswith("cuda") else nbytes // 8
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    sync()
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _vocab(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def _free_gpu() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def throughput_workload(n: int, vocab: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                        seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
+    return prompts, [rng.randint(*output_len) for _ in range(n)]
+
+
+def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format)."""
+    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) if r.get(k) is not None else "-"
+                                             for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    print(f"\n{title}")
+    for j, line in enumerate(cells):
+        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        if j == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def save_result(out_dir: str | Path, name: str, **fields) -> Path:
+    """Write `fields` plus the GPU, the software, the date and the command to out_dir/name.json."""
+    import platform
+
+    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor()})",
+                torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                command="nanoserve " + " ".join(sys.argv[1:]) if sys.argv and "nanoserve" in sys.argv[0] else None,
+                **fields)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(meta, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def _plot(path: Path, draw) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot; pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def _hf_model(model_dir: Path, dtype: torch.dtype, device: str):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+# ------------------------------------------------------------------------------------ latency
+
+
+def step_breakdown(engine, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step spent in each phase (the GPU is synchronised after the
+    forward pass, so 'forward' holds the GPU time and the rest is host work)."""
+    from nanoserve.sampling import sample
+
+    device = str(engine.runner.device)
+    totals = dict(schedule=0.0, forward=0.0, sample=0.0, update=0.0)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        logits = engine.runner.execute(batch)
+        _sync(device)
+        t2 = time.perf_counter()
+        seqs = batch.seqs
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                        [s.token_ids for s in seqs]).tolist()
+        t3 = time.perf_counter()
+        engine.scheduler.update(batch, tokens)
+        for seq in seqs:
+            if engine._has_output(seq):
+                engine._process(seq)
+        t4 = time.perf_counter()
+        for key, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            totals[key] += dt
+    return {k: 1e3 * v / steps for k, v in totals.items()}
+
+
+def replay_ms(engine, reps: int = 200) -> float | None:
+    """GPU time of one batch-1 decode graph replay alone: the floor for a step."""
+    graphs = engine.runner.graph_decoder
+    if graphs is None or not graphs.capture:
+        return None
+    graphs.graphs[1].replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graphs.graphs[1].replay()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / reps
+
+
+def bench_latency(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from nanoserve.engine import Engine
+    from nanoserve.loader import resolve_model_dir
+    from nanoserve.sampling import SamplingParams
+
+    model_dir = resolve_model_dir(args.model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(_vocab(model_dir)) for _ in range(args.prompt_len)]
+    engine = Engine(model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
+                    max_model_len=args.max_model_len)
+    device = str(engine.runner.device)
+    dtype = engine.model.embed_tokens.weight.dtype
+    bandwidth = copy_bandwidth(device)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    roofline = bandwidth / weights
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    for run in tqdm(range(3), desc="nanoserve batch 1", unit="run"):  # the first run compiles kernels
+        engine.add_request(prompt, params)
+        times = []
+        while engine.has_unfinished():
+            engine.step()
+            _sync(device)
+            times.append(time.perf_counter())
+    ours = (args.new_tokens - 1) / (times[-1] - times[0])
+    graphs = engine.runner.graph_decoder
+    label = "nanoserve" + (" (CUDA graphs)" if graphs is not None and graphs.capture else " (eager)")
+    engine.add_request(prompt, params)
+    engine.step()  # the prefill
+    breakdown = step_breakdown(engine, min(32, args.new_tokens - 2))
+    while engine.has_unfinished():
+        engine.step()
+    floor = replay_ms(engine)
+    if args.profile and device.startswith("cuda"):
+        _profile(engine, prompt, params)
+    del engine
+    _free_gpu()
+    rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline)]
+    if args.hf:
+        theirs = hf_latency(model_dir, prompt, args.new_tokens, dtype, device)
+        rows.append(dict(engine="HF transformers generate", tok_s=theirs, ms_per_token=1e3 / theirs,
+                         pct_roofline=100 * theirs / roofline))
+    print(f"\nweights {weights / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s -> roofline "
+          f"{roofline:.0f} tok/s ({1e3 / roofline:.3f} ms/token)")
+    print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
+          + (f"; one graph replay alone {floor:.3f}" if floor else ""))
+    print_table("batch-1 decode", rows, [("engine", "engine", ""), ("tok_s", "tok/s", ".1f"),
+                                         ("ms_per_token", "ms/token", ".3f"), ("pct_roofline", "% of roofline", ".1f")])
+    result = dict(model=str(args.model), prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=str(dtype),
+                  weight_bytes=weights, copy_gbs=bandwidth / 1e9, roofline_tok_s=roofline,
+                  step_breakdown_ms=breakdown, graph_replay_ms=floor, rows=rows)
+
+    def draw(ax):
+        ax.barh([r["engine"] for r in rows], [r["tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])
+        ax.axvline(roofline, color="tab:red", ls="--", label=f"bandwidth roofline {roofline:.0f} tok/s")
+        ax.set_xlabel("batch-1 decode, tokens/s")
+        ax.legend(loc="lower right")
+
+    _save(args, "latency", result, draw)
+    return result
+
+
+def _profile(engine, prompt: list[int], params) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(prompt, params)
+    engine.step()  # prefill
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    engine.abort(next(iter(engine.requests)))
+
+
+def hf_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str) -> float:
+    hf = _hf_model(model_dir, dtype, device)
+    ids = torch.tensor([prompt], device=device)
+    results = []
+    with torch.no_grad():
+        for n in (2, new_tokens):  # time a 2-token run too, to subtract the prefill
+            for _ in range(2):
+                _sync(device)
+                start = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+                _sync(device)
+                elapsed = time.perf_counter() - start
+            results.append(elapsed)
+    del hf
+    _free_gpu()
+    return (new_tokens - 2) / (results[1] - results[0])
+
+
+# --------------------------------------------------------------------------------- throughput
+
+
+def bench_throughput(args) -> dict:
+    from nanoserve.engine import LLM
+    from nanoserve.loader import resolve_model_dir
+    from nanoserve.sampling import SamplingParams
+
+    model_dir = resolve_model_dir(args.model)
+    prompts, lengths = throughput_workload(args.num_requests, _vocab(model_dir), args.prompt_range, args.output_range)
+    llm = LLM(model_dir, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=args.max_model_len)
+    engine = llm.engine
+    device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8)] * 4, use_tqdm=False)  # warm-up
+    steps0 = engine.num_steps
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    assert out_tokens == sum(lengths), "every request must produce exactly its output length"
+    rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
+                 steps=engine.num_steps - steps0, preemptions=engine.scheduler.num_preemptions)]
+    kv_blocks = engine.cache.num_blocks
+    del llm, engine
+    _free_gpu()
+    if args.hf:
+        seconds = hf_throughput(model_dir, prompts, lengths, dtype, device)
+        rows.append(dict(engine="HF transformers generate_batch", output_tok_s=out_tokens / seconds, seconds=seconds))
+    for r in rows:
+        r["vs_hf"] = r["output_tok_s"] / rows[-1]["output_tok_s"] if args.hf else None
+    print_table(f"offline throughput: {args.num_requests} requests, prompts U{list(args.prompt_range)}, outputs "
+                f"U{list(args.output_range)} ({sum(map(len, prompts))} prompt, {out_tokens} output tokens)", rows,
+                [("engine", "engine", ""), ("output_tok_s", "output tok/s", ",.0f"), ("seconds", "seconds", ".2f"),
+                 ("steps", "steps", "d"), ("vs_hf", "x HF", ".1f")])
+    result = dict(model=str(args.model), num_requests=args.num_requests, prompt_len=args.prompt_range,
+                  output_len=args.output_range, prompt_tokens=sum(map(len, prompts)), output_tokens=out_tokens,
+                  max_num_seqs=args.max_num_seqs, kv_blocks=kv_blocks, dtype=str(dtype), rows=rows)
+
+    def draw(ax):
+        ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])
+        ax.set_xlabel("output tokens/s")
+
+    _save(args, "throughput", result, draw)
+    return result
+
+
+def hf_throughput(model_dir: Path, prompts: list[list[int]], lengths: list[int], dtype: torch.dtype,
+                  device: str) -> float:
+    """Seconds for HF transformers' continuous batching (the manager behind `generate_batch`)
+    to finish the workload. `generate_batch` itself takes one max_new_tokens for all requests;
+    its manager takes one per request, which is the same workload as ours."""
+    from tqdm.auto import tqdm
+    from transformers import GenerationConfig
+
+    hf = _hf_model(model_dir, dtype, device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate_batch(inputs=[p[:16] for p in prompts[:4]], generation_config=config, max_new_tokens=8)  # warm-up
+        manager = hf.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            _sync(device)
+            start = time.perf_counter()
+            for p, n in zip(prompts, lengths):
+                manager.add_request(p, max_new_tokens=n)
+            generated = 0
+            with tqdm(total=len(prompts), desc="HF generate_batch", unit="req") as bar:
+                while bar.n < len(prompts):
+                    result = manager.get_result(timeout=1)
+                    if result is not None and result.is_finished():
+                        generated += len(result.generated_tokens)
+                        bar.update(1)
+                    elif result is None and not manager.is_running():
+                        raise RuntimeError("HF's continuous batching thread stopped")
+            _sync(device)
+            seconds = time.perf_counter() - start
+        finally:
+            manager.stop(block=True)
+    if generated != sum(lengths):
+        raise RuntimeError(f"HF generated {generated} tokens, the workload asks for {sum(lengths)}")
+    del hf, manager
+    _free_gpu()
+    return seconds
+
+
+# ------------------------------------------------------------------------------------ serving
+
+
+def bench_serving(args) -> dict:
+    import asyncio
+    import os
+    import subprocess
+
+    import httpx
+
+    from nanoserve.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
+           "--port", str(args.port), "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
+    if args.device:
+        cmd += ["--device", args.device]
+    server = subprocess.Popen(cmd, env=os.environ.copy())
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                health = httpx.get(url + "/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                if time.time() > deadline or server.poll() is not None:
+                    raise RuntimeError("the server did not come up") from None
+                time.sleep(0.5)
+        vocab = _vocab(model_dir)
+        asyncio.run(_run_rate(url, 8.0, 4, (16, 32), (4, 8), vocab, seed=99))  # warm-up
+        rows = []
+        for i, rate in enumerate(map(float, args.rates.split(","))):
+            rows.append(asyncio.run(_run_rate(url, rate, args.requests, args.prompt_range, args.serving_output_range,
+                                              vocab, seed=i)))
+    finally:
+        server.terminate()
+        server.wait(60)
+    print_table(f"serving: {args.requests} streaming requests per rate, prompts U{list(args.prompt_range)}, outputs "
+                f"U{list(args.serving_output_range)}", rows,
+                [("rate", "req/s", ".1f"), ("output_tok_s", "output tok/s", ",.0f"),
+                 ("ttft_p50_ms", "TTFT p50 ms", ".1f"), ("ttft_p99_ms", "TTFT p99 ms", ".1f"),
+                 ("itl_p50_ms", "ITL p50 ms", ".1f"), ("itl_p99_ms", "ITL p99 ms", ".1f")])
+    result = dict(model=str(args.model), kv_blocks=health["kv_blocks_total"], prompt_len=args.prompt_range,
+                  output_len=args.serving_output_range, rows=rows)
+
+    def draw(ax):
+        rates = [r["rate"] for r in rows]
+        for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s--")):
+            ax.plot(rates, [r[key] for r in rows], style, label=key.replace("_ms", "").replace("_", " "))
+        ax.set_xlabel("arrival rate, requests/s")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.legend()
+
+    _save(args, "serving", result, draw)
+    return result
+
+
+async def _one_request(client, body: dict) -> dict:
+    start = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["text"] or choice["finish_reason"] is None:
+                times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("the stream carried no token")
+    return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])], "end": times[-1]}
+
+
+async def _run_rate(url: str, rate: float, n: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab: int, seed: int) -> dict:
+    import asyncio
+
+    import httpx
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tasks, out_tokens = [], 0
+        bar = tqdm(total=n, desc=f"{rate:g} req/s", unit="req")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            max_tokens = rng.randint(*output_len)
+            out_tokens += max_tokens
+            body = {"model": "bench", "prompt": [rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            task = asyncio.create_task(_one_request(client, body))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        bar.close()
+        elapsed = max(r["end"] for r in results) - t0
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    return dict(rate=rate, requests=n, seconds=elapsed, output_tok_s=out_tokens / elapsed,
+                ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
+                itl_p50_ms=1e3 * percentile(itl, 50), itl_p99_ms=1e3 * percentile(itl, 99))
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def _save(args, name: str, result: dict, draw) -> None:
+    save_result(args.out, name, **result)
+    _plot(Path(args.out) / f"{name}.png", draw)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = map(int, text.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 'LOW,HIGH' with 1 <= LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["latency", "throughput", "serving", "all"])
+    p.add_argument("--model", default="tiny", help="checkpoint directory, hub id or 'tiny' (bundled)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
+    p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HuggingFace side-by-side runs")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
+    p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
+    p.add_argument("--lengths", type=_pair, default=(100, 1024), help="throughput and serving: prompt lengths "
+                   "LOW,HIGH; throughput outputs too")
+    p.add_argument("--output-len", type=_pair, default=(100, 512), help="serving: output lengths LOW,HIGH")
+    p.add_argument("--rates", default="2,6,12", help="serving: arrival rates, requests/s")
+    p.add_argument("--requests", type=int, default=60, help="serving: requests per rate")
+    p.add_argument("--port", type=int, default=8471, help="serving: the server's port")
+    p.add_argument("--profile", action="store_true", help="latency: print a torch profile of 20 decode steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    args.prompt_range = args.output_range = tuple(args.lengths)
+    args.serving_output_range = tuple(args.output_len)
+    if args.kv_cache_memory is not None:
+        args.kv_cache_memory = int(args.kv_cache_memory * 2**30)
+    elif args.device == "cpu" or not torch.cuda.is_available():
+        args.kv_cache_memory = 256 * 2**20
+    todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
+    for what in todo:
+        {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving}[what](args)
+    return 0
