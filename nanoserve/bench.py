@@ -188,7 +188,7 @@ def bench_latency(args) -> dict:
     rng = random.Random(0)
     prompt = [rng.randrange(_vocab(model_dir)) for _ in range(args.prompt_len)]
     engine = Engine(model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, fused_decode=args.fused_decode)
     device = str(engine.runner.device)
     dtype = engine.model.embed_tokens.weight.dtype
     bandwidth = copy_bandwidth(device)
@@ -283,7 +283,7 @@ def bench_throughput(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     prompts, lengths = throughput_workload(args.num_requests, _vocab(model_dir), args.prompt_range, args.output_range)
     llm = LLM(model_dir, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, fused_decode=args.fused_decode)
     engine = llm.engine
     device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -502,6 +502,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="2,6,12", help="serving: arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=60, help="serving: requests per rate")
     p.add_argument("--port", type=int, default=8471, help="serving: the server's port")
+    p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
+                   help="CUDA-graph decode steps without week 12's fused kernels (to measure what they bring)")
     p.add_argument("--profile", action="store_true", help="latency: print a torch profile of 20 decode steps")
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import PagedKVCache
+from nanoserve.kernels.fused import fused_decode_forward
 from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from nanoserve.model import Llama
 from nanoserve.scheduler import Sequence
@@ -64,8 +65,9 @@ class CUDAGraphDecoder:
     """Captures one decode graph per batch size and replays it with fresh inputs."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int = 256, capture: bool | None = None):
+                 max_batch: int = 256, capture: bool | None = None, fused: bool = True):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.fused = fused  # the fused-kernel forward pass of nanoserve/kernels/fused.py
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
         device = model.embed_tokens.weight.device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -96,7 +98,11 @@ class CUDAGraphDecoder:
     def _forward(self, bs: int) -> torch.Tensor:
         input_ids, positions, slots, context_lens = self.inputs[:, :bs]
         ctx = StaticDecodeContext(self.cache, slots, self.block_tables[:bs], context_lens, self.max_model_len)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.fused:
+            hidden = fused_decode_forward(self.model, input_ids, positions, self.cache, slots, self.block_tables[:bs],
+                                          context_lens, self.max_model_len, ctx.num_splits)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()

@@ -85,7 +85,8 @@ class Engine:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  attention_backend: str | None = None, scheduler_policy: str = "continuous",
-                 preemption: bool = True, trace: bool = False, cuda_graphs: bool | None = None):
+                 preemption: bool = True, trace: bool = False, cuda_graphs: bool | None = None,
+                 fused_decode: bool = True):
         device = device or default_device()
         self.attention_backend = select_backend(device, attention_backend)
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -113,7 +114,8 @@ class Engine:
             from nanoserve.cuda_graphs import CUDAGraphDecoder
 
             self.runner.graph_decoder = CUDAGraphDecoder(self.model, self.cache, scratch_block=num_blocks,
-                                                         max_model_len=self.max_model_len, max_batch=max_num_seqs)
+                                                         max_model_len=self.max_model_len, max_batch=max_num_seqs,
+                                                         fused=fused_decode)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
