@@ -212,7 +212,10 @@ def bench_latency(args) -> dict:
         engine.step()
     floor = replay_ms(engine)
     if args.profile and device.startswith("cuda"):
-        _profile(engine, prompt, params)
+        engine.add_request(prompt, params)
+        engine.step()  # the prefill
+        _profile(engine)
+        engine.abort(next(iter(engine.requests)))
     del engine
     _free_gpu()
     rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline)]
@@ -240,17 +243,17 @@ def bench_latency(args) -> dict:
     return result
 
 
-def _profile(engine, prompt: list[int], params) -> None:
+def _profile(engine, steps: int = 20) -> None:
+    """Print torch profiles of the next `steps` engine steps: by GPU time, then by host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.add_request(prompt, params)
-    engine.step()  # prefill
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-    engine.abort(next(iter(engine.requests)))
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=20))
+    print(table.table(sort_by="cpu_time_total", row_limit=20))
 
 
 def hf_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str) -> float:
@@ -283,17 +286,40 @@ def bench_throughput(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     prompts, lengths = throughput_workload(args.num_requests, _vocab(model_dir), args.prompt_range, args.output_range)
     llm = LLM(model_dir, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-              max_model_len=args.max_model_len, fused_decode=args.fused_decode)
+              max_model_len=args.max_model_len, fused_decode=args.fused_decode,
+              max_num_batched_tokens=args.max_num_batched_tokens, trace=True)
     engine = llm.engine
     device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8)] * 4, use_tqdm=False)  # warm-up
+    if args.profile:  # a full batch: every request admitted and decoding
+        ids = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+        if device.startswith("cuda"):
+            print("the first step (a prefill):")
+            _profile(engine, 1)
+        while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+            engine.step()
+        print(f"decode steps with {len(engine.scheduler.running)} sequences running:")
+        print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in step_breakdown(engine, 20).items()))
+        if device.startswith("cuda"):
+            _profile(engine, 10)
+        for i in ids:
+            engine.abort(i)
     steps0 = engine.num_steps
+    engine.trace.clear()
     _sync(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     _sync(device)
     elapsed = time.perf_counter() - start
+    # Where the wall time went: steps that prefill some prompt (eager), pure decode steps (graphs)
+    prefill = sum(r.end - r.start for r in engine.trace if max(r.num_new_tokens) > 1)
+    decode = sum(r.end - r.start for r in engine.trace if max(r.num_new_tokens) == 1)
+    num_prefill = sum(max(r.num_new_tokens) > 1 for r in engine.trace)
+    split = dict(prefill_steps=num_prefill, prefill_step_seconds=prefill, decode_step_seconds=decode,
+                 other_seconds=elapsed - prefill - decode)
+    print(f"{num_prefill} steps with a prefill: {prefill:.2f} s; {len(engine.trace) - num_prefill} decode steps: "
+          f"{decode:.2f} s; outside steps: {elapsed - prefill - decode:.2f} s")
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
@@ -302,8 +328,14 @@ def bench_throughput(args) -> dict:
     del llm, engine
     _free_gpu()
     if args.hf:
-        seconds = hf_throughput(model_dir, prompts, lengths, dtype, device)
-        rows.append(dict(engine="HF transformers generate_batch", output_tok_s=out_tokens / seconds, seconds=seconds))
+        seconds, finished = hf_throughput(model_dir, prompts, lengths, dtype, device, args.hf_time_limit)
+        if finished == len(prompts):
+            rows.append(dict(engine="HF transformers generate_batch", output_tok_s=out_tokens / seconds,
+                             seconds=seconds))
+        else:  # stopped at the time limit: all we know is an upper bound on its speed
+            rows.append(dict(engine=f"HF generate_batch (stopped at {seconds:.0f} s, {finished}/{len(prompts)} "
+                                    f"done; tok/s is an upper bound)", output_tok_s=out_tokens / seconds,
+                             seconds=None, finished=finished, upper_bound=True))
     for r in rows:
         r["vs_hf"] = r["output_tok_s"] / rows[-1]["output_tok_s"] if args.hf else None
     print_table(f"offline throughput: {args.num_requests} requests, prompts U{list(args.prompt_range)}, outputs "
@@ -312,7 +344,8 @@ def bench_throughput(args) -> dict:
                  ("steps", "steps", "d"), ("vs_hf", "x HF", ".1f")])
     result = dict(model=str(args.model), num_requests=args.num_requests, prompt_len=args.prompt_range,
                   output_len=args.output_range, prompt_tokens=sum(map(len, prompts)), output_tokens=out_tokens,
-                  max_num_seqs=args.max_num_seqs, kv_blocks=kv_blocks, dtype=str(dtype), rows=rows)
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_blocks=kv_blocks, dtype=str(dtype), time_split=split, rows=rows)
 
     def draw(ax):
         ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])
@@ -323,15 +356,17 @@ def bench_throughput(args) -> dict:
 
 
 def hf_throughput(model_dir: Path, prompts: list[list[int]], lengths: list[int], dtype: torch.dtype,
-                  device: str) -> float:
-    """Seconds for HF transformers' continuous batching (the manager behind `generate_batch`)
-    to finish the workload. `generate_batch` itself takes one max_new_tokens for all requests;
-    its manager takes one per request, which is the same workload as ours."""
+                  device: str, time_limit: float | None = None) -> tuple[float, int]:
+    """(seconds, requests finished) for HF transformers' continuous batching (the manager behind
+    `generate_batch`) on the workload. `generate_batch` itself takes one max_new_tokens for all
+    requests; its manager takes one per request, which is the same workload as ours. With a
+    time limit, it stops there and reports how many requests had finished."""
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
     hf = _hf_model(model_dir, dtype, device)
     config = GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=0)
+    generated = finished = 0
     with torch.no_grad():
         hf.generate_batch(inputs=[p[:16] for p in prompts[:4]], generation_config=config, max_new_tokens=8)  # warm-up
         manager = hf.init_continuous_batching(generation_config=config)
@@ -341,12 +376,14 @@ def hf_throughput(model_dir: Path, prompts: list[list[int]], lengths: list[int],
             start = time.perf_counter()
             for p, n in zip(prompts, lengths):
                 manager.add_request(p, max_new_tokens=n)
-            generated = 0
             with tqdm(total=len(prompts), desc="HF generate_batch", unit="req") as bar:
-                while bar.n < len(prompts):
+                while finished < len(prompts):
+                    if time_limit is not None and time.perf_counter() - start > time_limit:
+                        break
                     result = manager.get_result(timeout=1)
                     if result is not None and result.is_finished():
                         generated += len(result.generated_tokens)
+                        finished += 1
                         bar.update(1)
                     elif result is None and not manager.is_running():
                         raise RuntimeError("HF's continuous batching thread stopped")
@@ -354,11 +391,11 @@ def hf_throughput(model_dir: Path, prompts: list[list[int]], lengths: list[int],
             seconds = time.perf_counter() - start
         finally:
             manager.stop(block=True)
-    if generated != sum(lengths):
+    if finished == len(prompts) and generated != sum(lengths):
         raise RuntimeError(f"HF generated {generated} tokens, the workload asks for {sum(lengths)}")
     del hf, manager
     _free_gpu()
-    return seconds
+    return seconds, finished
 
 
 # ------------------------------------------------------------------------------------ serving
@@ -493,6 +530,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="throughput: tokens per engine step")
     p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
@@ -504,7 +542,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8471, help="serving: the server's port")
     p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
                    help="CUDA-graph decode steps without week 12's fused kernels (to measure what they bring)")
-    p.add_argument("--profile", action="store_true", help="latency: print a torch profile of 20 decode steps")
+    p.add_argument("--hf-time-limit", type=float, default=None,
+                   help="throughput: stop HF after this many seconds (its speed is then reported as a bound)")
+    p.add_argument("--profile", action="store_true", help="latency, throughput: where the time of a decode step goes")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -63,7 +63,15 @@ class TritonPagedContext(PagedContext):
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """[T, Hq, D], [T, Hkv, D] x2 -> [T, Hq, D] with PyTorch's fused attention (GQA-aware)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, enable_gqa=True)
-    return out.transpose(0, 1)
+    """[T, Hq, D], [T, Hkv, D] x2 -> [T, Hq, D] with PyTorch's fused attention.
+
+    Two details decide whether PyTorch picks a fused flash-attention kernel or its slow
+    reference ("math") path, which computes in float32 with the whole [T, T] score matrix: the
+    inputs must be 4-D ([batch, heads, T, D]), and the KV heads are repeated to match the query
+    heads rather than passed with `enable_gqa`. Week 12 found the math path in a profile: it
+    took most of the GPU time of a prefill step.
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
