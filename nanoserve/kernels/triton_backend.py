@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanoserve.attention import causal_attention
 from nanoserve.cache import PagedContext, PagedKVCache
@@ -69,9 +70,14 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     reference ("math") path, which computes in float32 with the whole [T, T] score matrix: the
     inputs must be 4-D ([batch, heads, T, D]), and the KV heads are repeated to match the query
     heads rather than passed with `enable_gqa`. Week 12 found the math path in a profile: it
-    took most of the GPU time of a prefill step.
+    took most of the GPU time of a prefill step. cuDNN's kernel is left out: it builds a plan
+    for every new prompt length, tens of milliseconds of host time each (measured in serving).
     """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+
+
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
