@@ -70,8 +70,9 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     reference ("math") path, which computes in float32 with the whole [T, T] score matrix: the
     inputs must be 4-D ([batch, heads, T, D]), and the KV heads are repeated to match the query
     heads rather than passed with `enable_gqa`. Week 12 found the math path in a profile: it
-    took most of the GPU time of a prefill step. cuDNN's kernel is left out: it builds a plan
-    for every new prompt length, tens of milliseconds of host time each (measured in serving).
+    took most of the GPU time of a prefill step. The backend is pinned to the memory-efficient
+    kernel: cuDNN's, PyTorch's first choice on an H100, builds a plan for every new prompt
+    length, which tripled the median time to first token in serving (docs/benchmarks.md).
     """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -80,4 +81,4 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
 
 
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # math: the CPU
