@@ -69,7 +69,7 @@ def main() -> None:
         results.append(row)
         print(f"{name:>22}: {row['output_tok_s']:8.0f} output tok/s  {elapsed:6.1f} s  {row['steps']} steps  "
               f"{row['preemptions']} preemptions  ({row['kv_blocks']} KV blocks of {row['block_size']})", flush=True)
-    from bench_common import save_result
+    from nanoserve.bench import save_result
 
     save_result(args.out, "throughput", num_requests=args.num_requests, model=args.model, rows=results)
 

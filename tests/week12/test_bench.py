@@ -1,0 +1,40 @@
+"""Week 12: `nanoserve bench` runs end to end on the CPU (--quick, the bundled tiny model).
+
+The figures themselves only mean something on a GPU (docs/benchmarks.md); here the three
+benchmarks must run, side by side with HuggingFace, and write complete, consistent results.
+"""
+
+import json
+
+import pytest
+
+from nanoserve.cli import main
+
+pytest.importorskip("httpx", reason="the serving benchmark's client needs httpx: pip install -e '.[dev]'")
+
+
+def test_bench_all_quick(tmp_path, capsys):
+    assert main(["bench", "all", "--quick", "--device", "cpu", "--out", str(tmp_path), "--port", "8479"]) == 0
+    out = capsys.readouterr().out
+    assert "batch-1 decode" in out and "offline throughput" in out and "serving" in out
+
+    latency = json.loads((tmp_path / "latency.json").read_text())
+    ours, hf = latency["rows"]
+    assert ours["engine"].startswith("nanoserve") and hf["engine"] == "HF transformers generate"
+    assert ours["tok_s"] > 0 and hf["tok_s"] > 0 and latency["roofline_tok_s"] > 0
+    assert abs(ours["ms_per_token"] * ours["tok_s"] - 1000) < 1e-6
+    assert set(latency["step_breakdown_ms"]) == {"schedule", "forward", "sample", "update"}
+
+    throughput = json.loads((tmp_path / "throughput.json").read_text())
+    ours, hf = throughput["rows"]
+    assert throughput["num_requests"] == 8 and ours["steps"] > 0 and hf["engine"] == "HF transformers generate_batch"
+    assert ours["vs_hf"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])
+    split = throughput["time_split"]
+    assert split["prefill_steps"] >= 1 and split["decode_step_seconds"] > 0
+
+    serving = json.loads((tmp_path / "serving.json").read_text())
+    (row,) = serving["rows"]
+    assert row["rate"] == 4.0 and row["requests"] == 6
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+    for name in ("latency", "throughput", "serving"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
