@@ -420,6 +420,7 @@ def bench_serving(args) -> dict:
            "--port", str(args.port), "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
     if args.device:
         cmd += ["--device", args.device]
+    cmd += args.server_args.split()
     server = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         deadline = time.time() + 600
@@ -544,6 +545,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="2,6,12", help="serving: arrival rates, requests/s")
     p.add_argument("--requests", type=int, default=60, help="serving: requests per rate")
     p.add_argument("--port", type=int, default=8471, help="serving: the server's port")
+    p.add_argument("--server-args", default="", help="serving: more options for `nanoserve serve`, in one string "
+                   "given with an = sign: --server-args=\"--no-cuda-graphs\"")
     p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
                    help="CUDA-graph decode steps without week 12's fused kernels (to measure what they bring)")
     p.add_argument("--hf-time-limit", type=float, default=None,
