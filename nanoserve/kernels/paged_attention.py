@@ -71,6 +71,7 @@ def _paged_decode_kernel(
         pos = tile + tl.arange(0, BLOCK_N)  # logical positions in the sequence
         valid = pos < end
         block = tl.load(BlockTables + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=valid, other=0)
+        block = block.to(tl.int64)  # block * stride can pass 2**31 in a large pool
         offset = pos % BLOCK_SIZE
         k = tl.load(K + block[:, None] * stride_k_block + offset[:, None] * stride_k_slot
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
