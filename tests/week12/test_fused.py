@@ -101,3 +101,23 @@ def test_fused_decode_forward_matches_the_model(tmp_path):
     others = [s for s in range(16 * block) if s not in slots.tolist()]  # only the new slots were written
     for new, ref in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
         assert torch.equal(new.flatten(1, 2)[:, others], ref.flatten(1, 2)[:, others])
+
+
+@pytest.mark.gpu
+def test_prefill_attention_runs_a_fused_kernel():
+    """Prefill attention in bf16 must reach a fused SDPA kernel, not PyTorch's float32 "math"
+    path, which it silently took with 3-D inputs (week 12, section 12); and still be right."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanoserve.attention import causal_attention
+    from nanoserve.kernels.triton_backend import _sdpa_causal
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(300, 32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(300, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = _sdpa_causal(q, k, v)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_efficient_attention" in ops, sorted(ops)
+    assert not any("math" in op for op in ops), sorted(ops)
+    close(out, causal_attention(q, k, v), torch.bfloat16)
