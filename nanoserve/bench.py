@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.simulator import percentile
+
 QUICK = dict(prompt_len=16, new_tokens=24, num_requests=8, lengths=(8, 32), rates="4", requests=6,
              output_len=(8, 16))
 
@@ -40,23 +42,19 @@ QUICK = dict(prompt_len=16, new_tokens=24, num_requests=8, lengths=(8, 32), rate
 
 def copy_bandwidth(device: str, nbytes: int = 2**30) -> float:
     """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    nbytes = nbytes if device.startswith("cuda") else nbytes // 8
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return 2 * nbytes / (do_bench(lambda: dst.copy_(src), warmup=50, rep=300) * 1e-3)
+    src = torch.empty(nbytes // 8, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(3):
-        dst.copy_(src)
-    sync()
-    start, reps = time.perf_counter(), 20
+    dst.copy_(src)
+    reps, start = 10, time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
-    sync()
-    return 2 * nbytes * reps / (time.perf_counter() - start)
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+    return 2 * src.numel() * reps / (time.perf_counter() - start)
 
 
 def _sync(device: str) -> None:
@@ -138,30 +136,41 @@ def _hf_model(model_dir: Path, dtype: torch.dtype, device: str):
 
 
 def step_breakdown(engine, steps: int) -> dict[str, float]:
-    """Milliseconds per decode step spent in each phase (the GPU is synchronised after the
-    forward pass, so 'forward' holds the GPU time and the rest is host work)."""
-    from nanoserve.sampling import sample
+    """Milliseconds per step spent in each phase of `Engine.step`, over the next `steps` steps.
 
+    The engine's scheduler and runner are timed from the outside (their methods wrapped for the
+    measurement, then restored); the GPU is synchronised after the forward pass, so 'forward'
+    holds the GPU time. 'sample' is the rest of the step: sampling, the device->host copy of the
+    tokens, and building the outputs.
+    """
     device = str(engine.runner.device)
     totals = dict(schedule=0.0, forward=0.0, sample=0.0, update=0.0)
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        batch = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        logits = engine.runner.execute(batch)
-        _sync(device)
-        t2 = time.perf_counter()
-        seqs = batch.seqs
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                        [s.token_ids for s in seqs]).tolist()
-        t3 = time.perf_counter()
-        engine.scheduler.update(batch, tokens)
-        for seq in seqs:
-            if engine._has_output(seq):
-                engine._process(seq)
-        t4 = time.perf_counter()
-        for key, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            totals[key] += dt
+
+    def timed(obj, name: str, key: str, sync: bool = False) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            if sync:
+                _sync(device)
+            totals[key] += time.perf_counter() - start
+            return result
+
+        setattr(obj, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "execute", "forward", sync=True)
+    timed(engine.scheduler, "update", "update")
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
+    finally:
+        for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.scheduler, "update")):
+            del obj.__dict__[name]  # back to the class's method
+    totals["sample"] = total - totals["schedule"] - totals["forward"] - totals["update"]
     return {k: 1e3 * v / steps for k, v in totals.items()}
 
 

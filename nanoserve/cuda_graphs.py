@@ -97,11 +97,13 @@ class CUDAGraphDecoder:
 
     def _forward(self, bs: int) -> torch.Tensor:
         input_ids, positions, slots, context_lens = self.inputs[:, :bs]
-        ctx = StaticDecodeContext(self.cache, slots, self.block_tables[:bs], context_lens, self.max_model_len)
+        tables = self.block_tables[:bs]
         if self.fused:
-            hidden = fused_decode_forward(self.model, input_ids, positions, self.cache, slots, self.block_tables[:bs],
-                                          context_lens, self.max_model_len, ctx.num_splits)
-        else:
+            num_splits = choose_num_splits(bs, self.cache.k.shape[-2], self.max_model_len, input_ids.device)
+            hidden = fused_decode_forward(self.model, input_ids, positions, self.cache, slots, tables,
+                                          context_lens, self.max_model_len, num_splits)
+        else:  # the model's own forward pass, attention through a context on the static buffers
+            ctx = StaticDecodeContext(self.cache, slots, tables, context_lens, self.max_model_len)
             hidden = self.model(input_ids, positions, ctx)
         return self.model.compute_logits(hidden)
 

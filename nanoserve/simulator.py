@@ -20,6 +20,12 @@ import random
 from dataclasses import dataclass, field
 
 
+
+def percentile(values: list[float], p: float) -> float:
+    """The p-th percentile of `values` (the value below which p% of them fall; nan if empty)."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
 @dataclass
 class SimConfig:
     arrival_rate: float  # requests per second
@@ -64,8 +70,7 @@ class SimResult:
         return [r.finish - r.arrival for r in self.requests]
 
     def percentile(self, values: list[float], p: float) -> float:
-        xs = sorted(values)
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+        return percentile(values, p)
 
     @property
     def throughput(self) -> float:

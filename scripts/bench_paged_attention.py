@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.bench import copy_bandwidth
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 
 
@@ -66,16 +68,6 @@ def graph_time_ms(fn, reps: int = 20, trials: int = 5) -> float:
     both, flush_only = capture(True), capture(False)
     best = min(replay_ms(both) - replay_ms(flush_only) for _ in range(trials))
     return max(best, 1e-4) / reps
-
-
-def copy_bandwidth(nbytes: int = 2**30) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
-    from triton.testing import do_bench
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def make_inputs(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
@@ -120,7 +112,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    peak = copy_bandwidth()
+    peak = copy_bandwidth("cuda") / 1e9
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: measured device-to-device copy bandwidth {peak:.0f} GB/s (read + write)")
 

@@ -11,11 +11,11 @@ steps and preemptions, and writes a JSON file.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
 
+from nanoserve.bench import save_result, throughput_workload
 from nanoserve.engine import LLM
 from nanoserve.sampling import SamplingParams
 
@@ -25,13 +25,6 @@ CONFIGS = {
     "continuous": ("continuous", 64, None),
     "continuous-small-pool": ("continuous", 64, 1.0),
 }
-
-
-def workload(n: int, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(100, 1024), ignore_eos=True) for _ in range(n)]
-    return prompts, params
 
 
 def main() -> None:
@@ -51,7 +44,8 @@ def main() -> None:
         llm = LLM(args.model, scheduler_policy=policy, max_num_seqs=max_seqs,
                   kv_cache_memory=None if kv_gib is None else int(kv_gib * 2**30))
         eng = llm.engine
-        prompts, params = workload(args.num_requests, eng.model.config.vocab_size)
+        prompts, lengths = throughput_workload(args.num_requests, eng.model.config.vocab_size, (100, 1024), (100, 1024))
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
         llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8)] * 4, use_tqdm=False)  # warm-up
         steps0, pre0 = eng.num_steps, eng.scheduler.num_preemptions
         if torch.cuda.is_available():
@@ -69,8 +63,6 @@ def main() -> None:
         results.append(row)
         print(f"{name:>22}: {row['output_tok_s']:8.0f} output tok/s  {elapsed:6.1f} s  {row['steps']} steps  "
               f"{row['preemptions']} preemptions  ({row['kv_blocks']} KV blocks of {row['block_size']})", flush=True)
-    from nanoserve.bench import save_result
-
     save_result(args.out, "throughput", num_requests=args.num_requests, model=args.model, rows=results)
 
 
