@@ -158,12 +158,6 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     # <<< week13: unpermute-qk
 
 
-def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """HF's row order -> llama.cpp's (what its converter does; tests write GGUF files with it)."""
-    rows, cols = w.shape
-    return w.reshape(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
 # ---------------------------------------------------------------------------- the config
 
 
@@ -309,6 +303,8 @@ def gguf_checkpoint_dir(path: str | os.PathLike) -> Path:
     try:
         convert_gguf(path, tmp)
         tmp.chmod(0o755)  # mkdtemp made it private
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         os.replace(tmp, target)
     except OSError:
         if not (target / "config.json").exists():  # not a race another process won

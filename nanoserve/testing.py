@@ -99,6 +99,16 @@ def _hf_to_gguf_name(name: str) -> str:
     return f"blk.{layer}.{per_layer[rest]}.{suffix}"
 
 
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """HF's row order of a q_proj / k_proj weight -> llama.cpp's: each head's row i and row
+    i + head_dim/2 become neighbours 2i and 2i + 1 (what llama.cpp's converter does)."""
+    rows, cols = w.shape
+    half = rows // num_heads // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)  # 0, h, 1, h+1, ...
+    heads = torch.arange(num_heads)[:, None] * 2 * half
+    return w[(heads + order).reshape(-1)]
+
+
 def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
                with_tokenizer: bool = True, extra_tensors: dict | None = None) -> Path:
     """Write a HF `LlamaForCausalLM` as a GGUF file, the way llama.cpp's converter does: its
@@ -109,8 +119,6 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
 
     import gguf
     import numpy as np
-
-    from nanoserve.gguf_loader import permute_qk
 
     cfg = model.config
     path = Path(path)

@@ -17,7 +17,7 @@ from nanoserve.config import ConfigError
 from nanoserve.layers import rope_inv_freq
 from nanoserve.loader import CheckpointError, load_model, resolve_model_dir
 from nanoserve.quant import UnsupportedQuantization
-from nanoserve.testing import make_hf_model, tiny_config, write_gguf
+from nanoserve.testing import make_hf_model, permute_qk, tiny_config, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 PLAIN_ROPE = dict(rope_type="default", rope_theta=10000.0)
@@ -58,7 +58,7 @@ def rotate_neighbour_pairs(x, cos, sin):
 def test_unpermute_makes_llama_cpp_rope_equal_hf_rope():
     heads, head_dim, hidden = 3, 8, 12
     w = torch.randn(heads * head_dim, hidden)  # HF's row order
-    w_cpp = gguf_loader.permute_qk(w, heads)  # as llama.cpp's converter stores it
+    w_cpp = permute_qk(w, heads)  # as llama.cpp's converter stores it
     assert torch.equal(gguf_loader.unpermute_qk(w_cpp, heads), w)
     assert not torch.equal(w_cpp, w)
     # What the rows mean: llama.cpp's rope on its rows is HF's rope on HF's rows.
