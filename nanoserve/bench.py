@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.loader import MODEL_NAMES_HELP
 from nanoserve.simulator import percentile
 
 QUICK = dict(prompt_len=16, new_tokens=24, num_requests=8, lengths=(8, 32), rates="4", requests=6,
@@ -536,7 +537,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["latency", "throughput", "serving", "all"])
-    p.add_argument("--model", default="tiny", help="checkpoint directory, hub id or 'tiny' (bundled)")
+    p.add_argument("--model", default="tiny", help=MODEL_NAMES_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
