@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -42,7 +45,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"),
         ]
         for ok, message in checks:
             if not ok:

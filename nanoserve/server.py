@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
 
@@ -90,7 +90,8 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
         repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0, lambda v: v > 0, "must be > 0")),
         max_tokens=max_tokens,
         stop=stop,
-        seed=_get(body, "seed", (int,), None),
+        seed=_get(body, "seed", (int,), None, lambda v: SEED_MIN <= v <= SEED_MAX,
+                  f"must be in [{SEED_MIN}, {SEED_MAX}]"),
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
     )
     # <<< week10: parse-params

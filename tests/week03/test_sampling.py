@@ -24,6 +24,7 @@ from nanoserve.sampling import SamplingParams, filtered_logits, make_generator, 
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(stop=[""]), "stop"),
         (dict(seed="abc"), "seed"),
+        (dict(seed=2**64), "seed"),
     ],
 )
 def test_invalid_params_raise_clear_errors(kwargs, message):

@@ -100,6 +100,8 @@ BAD = [
     ("top_p > 1", {**GOOD, "top_p": 1.5}, None, 400, "top_p"),
     ("top_k < 0", {**GOOD, "top_k": -3}, None, 400, "top_k"),
     ("n > 1", {**GOOD, "n": 2}, None, 400, "n"),
+    ("seed beyond 64 bits", {**GOOD, "seed": 2**64}, None, 400, "seed"),
+    ("seed below -2**63", {**GOOD, "seed": -(2**63) - 1}, None, 400, "seed"),
     ("echo", {**GOOD, "echo": True}, None, 400, "echo"),
     ("stop of wrong type", {**GOOD, "stop": 5}, None, 400, "stop"),
     ("stream not a bool", {**GOOD, "stream": "yes"}, None, 400, "stream"),
