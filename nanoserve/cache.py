@@ -6,7 +6,8 @@ one.
 
 Week 4, the paged cache: one shared pool of fixed-size blocks per layer. A sequence owns a list
 of blocks (its *block table*) and grows one block at a time, so it wastes at most one partly
-filled block. The `BlockAllocator` hands blocks out and takes them back.
+filled block. Which sequence owns which block is bookkeeping, kept apart from the tensors in
+`nanoserve/blocks.py` (the `BlockAllocator`, slot arithmetic); this file holds the pool itself.
 
 Week 5, `PagedContext`: the attention context that writes each new token's K/V into its slot
 of the pool and reads every sequence's keys and values back through its block table. Its
@@ -15,12 +16,10 @@ PyTorch implementation here is the ground truth for week 6's Triton kernel.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-
 import torch
 
 from nanoserve.attention import causal_attention
+from nanoserve.blocks import blocks_needed
 
 # ------------------------------------------------------------------------ week 3: naive cache
 
@@ -78,67 +77,6 @@ def naive_cache_waste(lengths: list[int], max_len: int) -> int:
 
 
 # ------------------------------------------------------------------------ week 4: paged cache
-
-
-class OutOfBlocks(RuntimeError):
-    """The block pool has no free block left (the scheduler must wait, or preempt someone)."""
-
-
-class BlockAllocator:
-    """A free list of physical block ids 0 .. num_blocks - 1."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used(self) -> int:
-        return len(self.used)
-
-    def allocate(self) -> int:
-        # >>> week04: allocate
-        if not self.free_blocks:
-            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block = self.free_blocks.popleft()
-        self.used.add(block)
-        return block
-        # <<< week04: allocate
-
-    def free(self, block: int) -> None:
-        # >>> week04: free
-        if block not in self.used:
-            raise ValueError(f"block {block} is not allocated (double free?)")
-        self.used.remove(block)
-        self.free_blocks.append(block)
-        # <<< week04: free
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """How many blocks hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-    return math.ceil(num_tokens / block_size)
-
-
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """The physical slot (row of the flattened pool) that holds token `position`.
-
-    Logical block `position // block_size` of the sequence is physical block
-    `block_table[position // block_size]`; within it, the token sits at `position % block_size`.
-    """
-    # >>> week04: slot-of
-    return block_table[position // block_size] * block_size + position % block_size
-    # <<< week04: slot-of
-
-
-def paged_cache_waste(lengths: list[int], block_size: int) -> int:
-    """Token slots allocated but unused: only each sequence's last, partly filled block."""
-    return sum(blocks_needed(n, block_size) * block_size - n for n in lengths)
 
 
 class PagedKVCache:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache import PagedContext, PagedKVCache, slot_of
+from nanoserve.blocks import slot_of
+from nanoserve.cache import PagedContext, PagedKVCache
 from nanoserve.model import Llama
 from nanoserve.scheduler import Batch
 

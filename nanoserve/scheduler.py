@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.cache import BlockAllocator, OutOfBlocks, blocks_needed
+from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed
 from nanoserve.sampling import SamplingParams
 
 

@@ -7,15 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.cache import (
-    BlockAllocator,
-    OutOfBlocks,
-    PagedKVCache,
-    blocks_needed,
-    naive_cache_waste,
-    paged_cache_waste,
-    slot_of,
-)
+from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed, paged_cache_waste, slot_of
+from nanoserve.cache import PagedKVCache, naive_cache_waste
 
 
 @settings(max_examples=200, deadline=None)

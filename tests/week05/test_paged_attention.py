@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanoserve.attention import causal_attention
-from nanoserve.cache import PagedContext, PagedKVCache, blocks_needed, slot_of
+from nanoserve.blocks import blocks_needed, slot_of
+from nanoserve.cache import PagedContext, PagedKVCache
 
 
 def run_paged(seqs, block_size, heads, kv_heads, head_dim=16, num_blocks=256, seed=0):

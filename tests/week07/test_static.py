@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanoserve.cache import blocks_needed
+from nanoserve.blocks import blocks_needed
 from nanoserve.engine import LLM
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus

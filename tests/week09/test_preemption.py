@@ -52,7 +52,7 @@ def test_a_request_that_can_never_fit_is_rejected():
 
 
 def test_without_preemption_running_dry_is_a_clear_error():
-    from nanoserve.cache import OutOfBlocks
+    from nanoserve.blocks import OutOfBlocks
 
     s = Scheduler(num_blocks=3, block_size=4, max_model_len=64, preemption=False)
     with pytest.raises(OutOfBlocks, match="preemption is off"):
