@@ -3,8 +3,8 @@
     while has_work:
         batch   = scheduler.schedule()           # who runs this step
         logits  = runner.execute(batch)          # one forward pass for the whole batch
-        tokens  = sample(logits, ...)            # one token per sequence
-        scheduler.update(batch, tokens)          # append, stop checks, free blocks
+        tokens  = sampler(logits, ...)           # the tokens each sequence samples (usually one)
+        scheduler.update(batch, tokens)          # append; stop tokens, stop strings, limits; free blocks
         deliver(outputs)                         # text deltas, finished requests
 
 `Engine.step()` is one turn of that loop. `LLM.generate()` runs it until every prompt is done.
@@ -23,7 +23,7 @@ from nanoserve.cache import PagedKVCache
 from nanoserve.kernels import select_backend
 from nanoserve.loader import load_model, resolve_model_dir
 from nanoserve.runner import ModelRunner
-from nanoserve.sampling import SamplingParams, make_generator, sample
+from nanoserve.sampling import Sampler, SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,12 +56,29 @@ class StepRecord:
 
 @dataclass
 class _Request:
-    seq: Sequence
+    """A request's text: the detokenizer, the stop strings, what was already delivered."""
+
     detok: IncrementalDetokenizer
     text: str = ""
     emitted: int = 0  # characters of `text` already delivered as deltas
     stop: list[str] = field(default_factory=list)
     stream: bool = True  # False: no output until the end, and the text is decoded once
+    cut: bool = False  # the text was cut at a stop string
+
+    def add_token(self, token: int) -> bool:
+        """The sequence's stop checker: decode one more token, True once a stop string appeared."""
+        self.text += self.detok.add(token)
+        return self.cut_at_stop_string()
+
+    def cut_at_stop_string(self) -> bool:
+        """Cut the text before the earliest stop string in it, if any; True if it did."""
+        # >>> week05: stop-strings
+        found = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i != -1]
+        if found:  # the stop string is not part of the output
+            self.text = self.text[: min(found)]
+            self.cut = True
+        return bool(found)
+        # <<< week05: stop-strings
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -119,7 +136,9 @@ class Engine:
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.runner.device)
         self.requests: dict[int, _Request] = {}
+        self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if trace else None
 
@@ -147,18 +166,19 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids),
-                       generator=make_generator(params.seed, self.runner.device))
+        req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None)
         self.scheduler.add(seq)
-        self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer), stop=params.stop,
-                                             stream=stream or bool(params.stop))
+        self.sampler.add(seq.seq_id, params)
+        self.requests[seq.seq_id] = req
+        self.sequences[seq.seq_id] = seq
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
         """Cancel a request now: its KV blocks go back to the pool at once."""
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req.seq, "abort")
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.finish(self.sequences.pop(request_id), "abort")
+            self.sampler.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -172,17 +192,22 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits = self.runner.execute(batch)  # [N, vocab]
+        logits = self.runner.execute(batch)  # [rows to sample, vocab]
         seqs = batch.seqs
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                        [s.token_ids for s in seqs]).tolist()  # the step's one device->host copy
+        rows = [s for s, n in zip(seqs, batch.num_samples) for _ in range(n)]  # the sequence of each row
+        flat = self.sampler(logits, [s.seq_id for s in rows], [s.params for s in rows],
+                            [s.token_ids for s in rows]).tolist()  # the step's one device->host copy
+        tokens, i = [], 0
+        for n in batch.num_samples:  # back to one list per sequence
+            tokens.append(flat[i : i + n])
+            i += n
         self.scheduler.update(batch, tokens)
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
                                          [s.seq_id for s in seqs], list(batch.num_new_tokens),
                                          len(self.scheduler.waiting), self.scheduler.allocator.num_used))
-        return [self._process(seq) for seq in seqs if self._has_output(seq)]
+        return [self._process(seq) for seq, n in zip(seqs, batch.num_samples) if n and self._has_output(seq)]
         # <<< week05: engine-step
 
     def _has_output(self, seq: Sequence) -> bool:
@@ -190,29 +215,23 @@ class Engine:
         return req is not None and (req.stream or seq.is_finished)
 
     def _process(self, seq: Sequence) -> RequestOutput:
-        """Detokenize the new token, apply stop strings, and build the request's output."""
+        """Build the request's output: its text so far, and the part of it not yet delivered."""
         req = self.requests[seq.seq_id]
-        token = seq.output_ids[-1]
-        stopped_by_token = seq.finish_reason == "stop" and token in seq.stop_ids  # it adds no text
-        if not req.stream:  # offline, no stop strings: decode the whole output once, at the end
-            req.text = self.tokenizer.decode(seq.output_ids[:-1] if stopped_by_token else seq.output_ids)
-        elif not stopped_by_token:
-            req.text += req.detok.add(token)
-        if seq.is_finished and req.stream:
-            req.text += req.detok.flush()
-        # >>> week05: stop-strings
-        found = [i for i in (req.text.find(s, req.emitted) for s in req.stop) if i != -1]
-        if found:  # cut at the earliest stop string; it is not part of the output
-            req.text = req.text[: min(found)]
-            self.scheduler.finish(seq, "stop")
-            seq.finish_reason = "stop"  # even if this token also hit max_tokens
-        # <<< week05: stop-strings
+        if seq.is_finished:
+            if not req.stream:  # offline, no stop strings: decode the whole output once, at the end
+                output = seq.output_ids
+                stopped_by_token = seq.finish_reason == "stop" and output and output[-1] in seq.stop_ids
+                req.text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
+            elif not req.cut:  # a character still held back by the detokenizer, and its stop strings
+                req.text += req.detok.flush()
+                req.cut_at_stop_string()
         # Deliver text that can no longer turn out to be the start of a stop string.
         end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
         delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
         if seq.is_finished:
-            del self.requests[seq.seq_id]
-        return RequestOutput(seq.seq_id, seq.prompt_ids, list(seq.output_ids), req.text,
+            del self.requests[seq.seq_id], self.sequences[seq.seq_id]
+            self.sampler.release(seq.seq_id)
+        return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
                              seq.is_finished, seq.finish_reason, delta)
 
 

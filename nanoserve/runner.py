@@ -9,7 +9,8 @@ tensors. For each step it builds the packed inputs:
     context_lens [N]            each sequence's length once this step is done
     block_tables [N, max_blocks]
 
-then runs one forward pass and returns the logits of each sequence's last token.
+then runs one forward pass and returns the logits of the rows to sample: each sequence's last
+`batch.num_samples[i]` positions (its last token, usually).
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: Batch) -> torch.Tensor:
-        """One forward pass -> logits [N, vocab] (float32), one row per scheduled sequence."""
+        """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order."""
         graphs = self.graph_decoder
-        if graphs is not None and graphs.fits(len(batch)) and batch.num_tokens == len(batch):  # all decodes
+        all_decode = batch.num_scheduled_tokens == len(batch) == sum(batch.num_samples)
+        if graphs is not None and graphs.fits(len(batch)) and all_decode:
             return graphs.run(batch.seqs)  # week 12: one replay
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        last = torch.tensor(ctx.last_token_indices, device=self.device)
-        return self.model.compute_logits(hidden[last])
+        rows = [end - k for end, n in zip(ctx.query_start_loc[1:], batch.num_samples) for k in range(n, 0, -1)]
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])

@@ -147,6 +147,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # <<< week03: sample
 
 
+class Sampler:
+    """The engine's sampler: `sample` for a batch, plus each seeded request's private generator
+    (kept here, with the tensors, so that the scheduler's sequences hold none)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self.generators: dict[int, torch.Generator] = {}
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        generator = make_generator(params.seed, self.device)
+        if generator is not None:
+            self.generators[seq_id] = generator
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is finished or aborted: forget its generator."""
+        self.generators.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+                 seen: list[list[int]] | None = None) -> torch.Tensor:
+        """logits [N, V], row i for sequence seq_ids[i] -> token ids [N]."""
+        return sample(logits, params, [self.generators.get(i) for i in seq_ids], seen)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     if seed is None:
         return None

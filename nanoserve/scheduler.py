@@ -2,8 +2,8 @@
 
 The scheduler owns the bookkeeping of the KV block pool (which sequence holds which blocks) and
 decides, every step, which sequences run and how many of their tokens go through the model. It
-never runs model code and never touches a tensor: it hands the runner a `Batch` and gets back
-one sampled token per sequence.
+never runs model code and never touches a tensor (it does not even import torch): it hands the
+runner a `Batch` and gets back the tokens sampled for each sequence.
 
 Week 5 has the simplest policy that works: admit every waiting request whose prompt fits into
 the free blocks, prefill them together, then decode everything that runs. Weeks 7-9 replace it
@@ -17,8 +17,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
+from typing import Protocol
 
 from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed
 from nanoserve.sampling import SamplingParams
@@ -34,34 +33,60 @@ class SequenceStatus(enum.Enum):
 POLICIES = ("admit-all", "static", "continuous")
 
 
+class StopChecker(Protocol):
+    """What a sequence's text looks like is the engine's business (it owns the tokenizer). It
+    hands the scheduler this hook, called with every token appended (stop tokens excepted);
+    True means the text now holds one of the request's stop strings."""
+
+    def __call__(self, token: int) -> bool:
+        ...
+
+
 _ids = itertools.count()
 
 
 @dataclass
 class Sequence:
-    """One request's tokens and state, from arrival to its last token."""
+    """One request's tokens and state, from arrival to its last token.
 
-    prompt_ids: list[int]
+    `token_ids` is the one list of the sequence's tokens: the prompt, then every token it
+    produced. The first `num_computed` of them have their K/V in the cache.
+    """
+
+    token_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int] = frozenset()  # EOS and the request's stop tokens
+    stop_checker: StopChecker | None = None  # stop strings: see StopChecker
     seq_id: int = field(default_factory=lambda: next(_ids))
-    output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    generator: torch.Generator | None = None  # seeded requests only
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
-    token_ids: list[int] = field(init=False)  # prompt + output, kept up to date by `update`
+    prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.token_ids = self.prompt_ids + self.output_ids
+        self.token_ids = list(self.token_ids)
+        self.prompt_len = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt and output tokens together."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
 
     @property
     def is_finished(self) -> bool:
@@ -84,18 +109,27 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        return self.prompt_len + self.params.max_tokens
 
 
 @dataclass
 class Batch:
-    """One step's work: for each sequence, run tokens num_computed .. num_computed + n - 1."""
+    """One step's work. For sequence i: run its tokens num_computed .. num_computed + n_i - 1
+    through the model (n_i = num_new_tokens[i]), then sample `num_samples[i]` tokens from the
+    logits of its last `num_samples[i]` positions (1 after a whole prompt or a decode; 0 after a
+    prompt chunk that is not the last; k + 1 to verify k speculated tokens)."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    num_samples: list[int] = field(default_factory=list)  # default: 1 per sequence
+
+    def __post_init__(self) -> None:
+        if not self.num_samples:
+            self.num_samples = [1] * len(self.seqs)
 
     @property
-    def num_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> int:
+        """Tokens through the model this step, all sequences together."""
         return sum(self.num_new_tokens)
 
     def __len__(self) -> int:
@@ -140,7 +174,7 @@ class Scheduler:
         longest = min(seq.max_total_tokens, self.max_model_len)
         if blocks_needed(longest, self.block_size) > self.allocator.num_blocks:
             raise ValueError(
-                f"a request of {len(seq.prompt_ids)} prompt tokens + {seq.params.max_tokens} new "
+                f"a request of {seq.prompt_len} prompt tokens + {seq.params.max_tokens} new "
                 f"tokens can never fit in the KV pool ({self.allocator.num_blocks} blocks of "
                 f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
@@ -291,17 +325,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         # <<< week09: preempt-sequence
 
-    def update(self, batch: Batch, tokens: list[int]) -> None:
-        """Record one sampled token per sequence; finish those that hit a stop token or a limit."""
+    def update(self, batch: Batch, new_tokens: list[list[int]]) -> None:
+        """After the step: each sequence's scheduled tokens are computed, and `new_tokens[i]` (as
+        many as `batch.num_samples[i]`) are appended one by one, until one of them ends the
+        sequence: a stop token, a stop string (the sequence's `stop_checker`), or a length limit.
+        Tokens after the end are dropped."""
         now = time.perf_counter()
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, new_tokens):
             if seq.is_finished:  # aborted while its step was running
                 continue
             seq.num_computed += n
-            seq.output_ids.append(token)
-            seq.token_ids.append(token)
-            seq.token_times.append(now)
-            if token in seq.stop_ids:
-                self.finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            for token in tokens:
+                seq.token_ids.append(token)
+                seq.token_times.append(now)
+                if token in seq.stop_ids:
+                    self.finish(seq, "stop")
+                elif seq.stop_checker is not None and seq.stop_checker(token):
+                    self.finish(seq, "stop")
+                elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    self.finish(seq, "length")
+                if seq.is_finished:
+                    break

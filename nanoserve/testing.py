@@ -188,7 +188,7 @@ def run_scheduler(scheduler, arrivals: dict[int, list], token: int = 7, max_step
         batch = scheduler.schedule()
         if on_step is not None:
             on_step(step, batch)
-        scheduler.update(batch, [token] * len(batch))
+        scheduler.update(batch, [[token] * n for n in batch.num_samples])
         step += 1
         if step > max_steps:
             raise RuntimeError(f"the scheduler did not finish in {max_steps} steps")

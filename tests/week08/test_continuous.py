@@ -57,7 +57,7 @@ def test_limits_hold_every_step():
         check_block_invariants(s, batch)
         assert len(s.running) <= 3 and len(batch) <= 3
         prefills = [n for n in batch.num_new_tokens if n > 1]
-        assert batch.num_tokens <= 12 or (len(prefills) == 1 and batch.num_tokens == prefills[0] + len(batch) - 1)
+        assert batch.num_scheduled_tokens <= 12 or (len(prefills) == 1 and batch.num_scheduled_tokens == prefills[0] + len(batch) - 1)
 
     run_scheduler(s, pattern, on_step=watch)
     assert s.allocator.num_free == 40

@@ -20,13 +20,13 @@ def test_preempts_the_newest_and_puts_it_first_in_line():
     a, b = seq(4, 8), seq(4, 8)  # 12 tokens each at the end: 3 blocks each, 6 > 4
     s.add(a)
     s.add(b)
-    s.update(s.schedule(), [7, 7])  # both prefilled
+    s.update(s.schedule(), [[7], [7]])  # both prefilled
     later = seq(1, 1)
     s.add(later)
     while s.num_preemptions == 0:
         batch = s.schedule()
         check_block_invariants(s, batch)
-        s.update(batch, [7] * len(batch))
+        s.update(batch, [[7]] * len(batch))
     assert b.num_preemptions == 1 and a.num_preemptions == 0  # the newer one gave way
     assert list(s.waiting) == [b, later]  # first in line, ahead of requests that never ran
     assert b.status is SequenceStatus.PREEMPTED
