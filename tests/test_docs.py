@@ -1,6 +1,9 @@
 """The diagrams and the Markdown pages stay in step with each other and with the files they name.
 
 - every `diagrams/*.mmd` source has its rendered SVG beside it, and that SVG is a real SVG;
+- every SVG draws its labels as SVG `<text>`, not as HTML inside `<foreignObject>` (which
+  SVG-only renderers such as rsvg-convert leave blank), keeps the spaces between the words of a
+  label (`xml:space="preserve"`), and holds the words of the labels of its source;
 - every ```mermaid block in `docs/architecture.md` is exactly one of the `diagrams/*.mmd`
   sources, so the page GitHub draws and the SVGs cannot drift apart;
 - every relative link or image in the top-level pages, `docs/`, `diagrams/` and `weeks/` that
@@ -22,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DIAGRAMS = ROOT / "diagrams"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 SVG_NAMESPACE = "{http://www.w3.org/2000/svg}"
+XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 CHECKED_SUFFIXES = (".md", ".svg", ".png")
 
 
@@ -60,6 +64,85 @@ def test_each_source_has_a_valid_svg(source: Path):
     except ET.ParseError as e:
         pytest.fail(f"{_id(svg)} is not well-formed XML ({e}): {how}")
     assert root.tag in ("svg", SVG_NAMESPACE + "svg"), f"{_id(svg)}: the root element is <{root.tag}>, not <svg>"
+
+
+SEQUENCE_LABELS = [
+    re.compile(r"^(?:participant|actor)\s+\S+\s+as\s+(.+)$"),
+    re.compile(r"^box\s+(?:(?:rgba?|hsla?)\([^)]*\)\s*)?(.*)$"),
+    re.compile(r"^(?:loop|alt|else|opt|par|and|critical|break)\s+(.+)$"),
+    re.compile(r"^Note\s+(?:over|left of|right of)\s+[^:]+:\s*(.+)$"),
+    re.compile(r"^[^:\s]+\s*(?:-{1,2}(?:>>|>|x|\)))\s*[+-]?[^:\s]+\s*:\s*(.+)$"),  # messages
+]
+TRIMMED = "[](){},.;:'\""
+
+
+def label_texts(source: str) -> list[str]:
+    """The labels of a Mermaid source: node, edge and subgraph labels of a flowchart (its quoted
+    strings), or participants, boxes, messages, notes and loop/alt texts of a sequence diagram."""
+    lines = [ln.strip() for ln in source.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("%%")]
+    if lines and lines[0].startswith("sequenceDiagram"):
+        found = []
+        for line in lines[1:]:
+            for pattern in SEQUENCE_LABELS:
+                m = pattern.match(line)
+                if m:
+                    found.append(m.group(1))
+                    break
+        return found
+    return re.findall(r'"([^"]*)"', "\n".join(lines))
+
+
+def label_words(labels: list[str]) -> list[str]:
+    """The words of some labels, split at <br/> and whitespace, surrounding punctuation trimmed."""
+    words = []
+    for label in labels:
+        for line in re.split(r"<br\s*/?>", label):
+            words += [w.strip(TRIMMED) for w in line.split()]
+    return [w for w in words if w]
+
+
+def test_label_words():
+    flowchart = 'flowchart TB\n  %% "not a label"\n  a["one, two<br/>three"] -->|"(four)"| b(["five"])\n'
+    assert label_words(label_texts(flowchart)) == ["one", "two", "three", "four", "five"]
+    sequence = (
+        "sequenceDiagram\n  participant C as HTTP client<br/>httpx\n  box rgb(1, 2, 3) server side\n"
+        "  C->>S: POST /v1<br/>\"stream\": true\n  S--xC: closed\n  Note over C,S: a note\n"
+        "  loop every step\n  end\n"
+    )
+    assert label_words(label_texts(sequence)) == [
+        "HTTP", "client", "httpx", "server", "side", "POST", "/v1", "stream", "true", "closed", "a", "note",
+        "every", "step",
+    ]
+
+
+@pytest.mark.parametrize("source", mermaid_sources(), ids=_id)
+def test_each_svg_has_its_labels_as_svg_text(source: Path):
+    svg = source.with_suffix(".svg")
+    how = "render it with diagrams/render.sh, as diagrams/README.md says"
+    if not svg.is_file():
+        pytest.skip(f"{_id(svg)} is missing (test_each_source_has_a_valid_svg fails for it)")
+    root = ET.parse(svg).getroot()
+    html = list(root.iter(SVG_NAMESPACE + "foreignObject"))
+    assert not html, (
+        f"{_id(svg)} has {len(html)} <foreignObject> elements, HTML labels that SVG-only renderers "
+        f"(rsvg-convert, Inkscape, slide importers) show as empty boxes: {how} (htmlLabels off)"
+    )
+    texts = list(root.iter(SVG_NAMESPACE + "text"))
+    assert texts, f"{_id(svg)} has no <text> elements, so no labels: {how}"
+    assert root.get(XML_SPACE) == "preserve", (
+        f"{_id(svg)} lacks xml:space=\"preserve\" on its root, so renderers that strip the leading "
+        f"space of each word's <tspan> (rsvg-convert) run the words of a label together: {how}"
+    )
+    # Mermaid breaks a word too wide for a line (about 200 pixels) into pieces, so allow a few.
+    drawn = {w.strip(TRIMMED) for w in " ".join(" ".join(t.itertext()) for t in texts).split()}
+    words = label_words(label_texts(source.read_text(encoding="utf-8")))
+    assert words, f"found no labels in {_id(source)}"
+    missing = [w for w in words if w not in drawn]
+    assert len(missing) <= max(3, len(words) // 50), (
+        f"{len(missing)} of the {len(words)} label words of {_id(source)} are not among the <text> of "
+        f"{svg.name} (e.g. {', '.join(missing[:10])}): is the SVG stale? {how}"
+    )
 
 
 # ------------------------------------------------------------------- docs/architecture.md

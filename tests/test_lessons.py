@@ -28,12 +28,14 @@ Three checks over `weeks/weekNN/README.md`, by plain text parsing (no network, n
        ```
 
    is a quote. Every other line of the block must appear in that function's current source
-   (found with `ast`; the whole file when no name is given): compared after stripping the
-   indentation and trailing whitespace, consecutive lines of the quote must be consecutive
-   lines of the source (blank lines ignored), and the runs must come in the source's order. A
-   line that starts with `...` is an elision: it stands for any number of source lines. Blocks
-   without the header are not quotes (pseudo-code, shapes, shell sessions) and are not checked;
-   write them so that they do not look like a copy of the source.
+   (found with `ast`, through classes and nested functions alike, so `Guard.__call__` and
+   `create_app.check_length` both work; the whole file when no name is given). Compared after
+   stripping the indentation and trailing whitespace, consecutive lines of the quote must be
+   consecutive lines of the source (blank lines ignored), and the runs must come in the
+   source's order. A line that starts with `...` is an elision: it stands for any number of
+   source lines. Blocks without the header are not quotes (pseudo-code, shapes, shell
+   sessions) and are not checked; write them so that they do not look like a copy of the
+   source.
 
 3. **No line numbers.** Line numbers go stale as soon as the file above them changes. A lesson
    names a function (`nanoserve/engine.py, AsyncEngine._run`), never `engine.py:361`,
