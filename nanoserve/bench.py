@@ -27,11 +27,11 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nanoserve.loader import MODEL_NAMES_HELP
 from nanoserve.simulator import percentile
 
 QUICK = dict(prompt_len=16, new_tokens=24, num_requests=8, lengths=(8, 32), rates="4", requests=6,
@@ -192,15 +192,14 @@ def replay_ms(engine, reps: int = 200) -> float | None:
 def bench_latency(args) -> dict:
     from tqdm.auto import tqdm
 
-    from nanoserve.engine import Engine
+    from nanoserve.engine import Engine, EngineConfig
     from nanoserve.loader import resolve_model_dir
     from nanoserve.sampling import SamplingParams
 
     model_dir = resolve_model_dir(args.model)
     rng = random.Random(0)
     prompt = [rng.randrange(_vocab(model_dir)) for _ in range(args.prompt_len)]
-    engine = Engine(model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                    max_model_len=args.max_model_len, fused_decode=args.fused_decode)
+    engine = Engine(replace(EngineConfig.from_args(args), model=model_dir))
     device = str(engine.runner.device)
     dtype = engine.model.embed_tokens.weight.dtype
     bandwidth = copy_bandwidth(device)
@@ -293,15 +292,13 @@ def hf_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch
 
 
 def bench_throughput(args) -> dict:
-    from nanoserve.engine import LLM
+    from nanoserve.engine import LLM, EngineConfig
     from nanoserve.loader import resolve_model_dir
     from nanoserve.sampling import SamplingParams
 
     model_dir = resolve_model_dir(args.model)
     prompts, lengths = throughput_workload(args.num_requests, _vocab(model_dir), args.prompt_range, args.output_range)
-    llm = LLM(model_dir, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-              max_model_len=args.max_model_len, fused_decode=args.fused_decode,
-              max_num_batched_tokens=args.max_num_batched_tokens, trace=True)
+    llm = LLM(replace(EngineConfig.from_args(args), model=model_dir, trace=True))
     engine = llm.engine
     device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -536,16 +533,12 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from nanoserve.engine import EngineConfig
+
     p.add_argument("what", choices=["latency", "throughput", "serving", "all"])
-    p.add_argument("--model", default="tiny", help=MODEL_NAMES_HELP)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HuggingFace side-by-side runs")
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool (default: from free memory)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="throughput: tokens per engine step")
     p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
@@ -557,11 +550,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8471, help="serving: the server's port")
     p.add_argument("--server-args", default="", help="serving: more options for `nanoserve serve`, in one string "
                    "given with an = sign: --server-args=\"--no-cuda-graphs\"")
-    p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
-                   help="CUDA-graph decode steps without week 12's fused kernels (to measure what they bring)")
     p.add_argument("--hf-time-limit", type=float, default=None,
                    help="throughput: stop HF after this many seconds (its speed is then reported as a bound)")
     p.add_argument("--profile", action="store_true", help="latency, throughput: where the time of a decode step goes")
+    EngineConfig.add_arguments(p)  # the engine's own options: --model, --device, --max-num-seqs, ...
 
 
 def run(args: argparse.Namespace) -> int:
@@ -570,10 +562,6 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     args.prompt_range = args.output_range = tuple(args.lengths)
     args.serving_output_range = tuple(args.output_len)
-    if args.kv_cache_memory is not None:
-        args.kv_cache_memory = int(args.kv_cache_memory * 2**30)
-    elif args.device == "cpu" or not torch.cuda.is_available():
-        args.kv_cache_memory = 256 * 2**20
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
     for what in todo:
         {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving}[what](args)

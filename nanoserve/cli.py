@@ -10,7 +10,6 @@ import torch
 
 from nanoserve.loader import MODEL_NAMES_HELP
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _default_device() -> str:
@@ -25,15 +24,12 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanoserve.engine import Engine
+    from nanoserve.engine import DTYPES, Engine, EngineConfig
 
     params = _sampling_params(args)
-    device = args.device or _default_device()
-    dtype = DTYPES[args.dtype] if args.dtype else None
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
-        return _generate_no_cache(args, device, dtype or torch.float32)
-    engine = Engine(args.model, dtype=dtype, device=device, attention_backend=args.attention_backend,
-                    scheduler_policy=args.scheduler_policy)
+        return _generate_no_cache(args, args.device or _default_device(), DTYPES[args.dtype or "float32"])
+    engine = Engine(EngineConfig.from_args(args))
     engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     start, n = time.perf_counter(), 0
@@ -66,10 +62,9 @@ def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from nanoserve.chat import ChatSession, run_chat
-    from nanoserve.engine import Engine
+    from nanoserve.engine import Engine, EngineConfig
 
-    engine = Engine(args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
-                    attention_backend=args.attention_backend)
+    engine = Engine(EngineConfig.from_args(args))
     return run_chat(ChatSession(engine, _sampling_params(args), system=args.system), args.message)
 
 
@@ -94,14 +89,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nanoserve.engine import AsyncEngine, Engine
+    from nanoserve.engine import AsyncEngine, Engine, EngineConfig
     from nanoserve.server import create_app
 
-    engine = Engine(args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
-                    block_size=args.block_size, num_blocks=args.num_blocks,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                    cuda_graphs=not args.no_cuda_graphs)
+    engine = Engine(EngineConfig.from_args(args))
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes)
@@ -132,8 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_model(p: argparse.ArgumentParser, default: str = "tiny") -> None:
-        p.add_argument("--model", default=default, help=f"{MODEL_NAMES_HELP} (default: {default})")
+    from nanoserve.engine import EngineConfig
 
     def add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
         p.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -143,53 +133,34 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
 
     chat = sub.add_parser("chat", help="talk to a chat model in the terminal (default: smollm2)")
-    add_model(chat, default="smollm2")
     chat.add_argument("message", nargs="?", default=None, help="answer this one message and exit")
     add_sampling(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
-    chat.add_argument("--dtype", choices=list(DTYPES), default=None)
-    chat.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
-    chat.add_argument("--device", default=None)
+    EngineConfig.add_arguments(chat, default_model="smollm2")
     chat.set_defaults(func=cmd_chat)
 
     gen = sub.add_parser("generate", help="complete a prompt")
-    add_model(gen)
     gen.add_argument("prompt")
     add_sampling(gen, max_tokens=48)
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
-    gen.add_argument("--dtype", choices=list(DTYPES), default=None,
-                     help="default: float32 on the CPU, bfloat16 on CUDA")
-    gen.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
-                     help="default: triton on CUDA, torch on the CPU")
-    gen.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
-                     help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    EngineConfig.add_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     cmp = sub.add_parser("compare", help="per-layer differences between nanoserve and HuggingFace")
-    add_model(cmp)
+    cmp.add_argument("--model", default="tiny", help=MODEL_NAMES_HELP)
     cmp.add_argument("prompt")
     cmp.add_argument("--rtol", type=float, default=1e-4)
     cmp.set_defaults(func=cmd_compare)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    add_model(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
-    srv.add_argument("--dtype", choices=list(DTYPES), default=None)
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
-    srv.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
-    srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     srv.add_argument("--log-level", default="info")
+    EngineConfig.add_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="latency, throughput and serving benchmarks, HuggingFace side by side")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import time
@@ -92,47 +93,107 @@ def _held_back(text: str, stops: list[str]) -> int:
     return longest
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass
+class EngineConfig:
+    """Everything an engine is built from. The command line, the benchmarks and the tests all
+    make one of these (`nanoserve.cli.add_engine_arguments` defines the matching options)."""
+
+    model: str | os.PathLike = "tiny"  # see nanoserve.loader.resolve_model_dir
+    dtype: torch.dtype | None = None  # default: float32 on the CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda when available
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the pool; default: 80% of free GPU memory, 256 MiB on the CPU
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int = 8192  # tokens through the model per step
+    max_model_len: int | None = None  # default: the model's context length
+    attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
+    scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
+    preemption: bool = True  # week 9
+    trace: bool = False  # keep a StepRecord per step
+    cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
+    fused_decode: bool = True  # week 12's fused kernels inside the graphs
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
+        """The command-line options of an engine, shared by generate, chat, serve and bench."""
+        from nanoserve.loader import MODEL_NAMES_HELP
+
+        p = parser.add_argument_group("engine")
+        p.add_argument("--model", default=default_model, help=f"{MODEL_NAMES_HELP} (default: {default_model})")
+        p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                       help="default: triton on CUDA, torch on the CPU")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-memory)")
+        p.add_argument("--kv-cache-memory", type=float, default=None,
+                       help="GiB for the KV pool (default: 80%% of free GPU memory; 0.25 on the CPU)")
+        p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+        p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
+        p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+        p.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
+                       help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
+        p.add_argument("--no-preemption", dest="preemption", action="store_false",
+                       help="fail instead of preempting when the KV pool runs dry")
+        p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                       help="run decode steps eagerly on CUDA")
+        p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
+                       help="CUDA-graph decode steps without week 12's fused kernels")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config the options of `add_arguments` describe."""
+        memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+        return cls(model=args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
+                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=memory,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+                   scheduler_policy=args.scheduler_policy, preemption=args.preemption,
+                   cuda_graphs=args.cuda_graphs, fused_decode=args.fused_decode)
+
+
 class Engine:
-    def __init__(self, model: str | os.PathLike = "tiny", dtype: torch.dtype | None = None,
-                 device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 attention_backend: str | None = None, scheduler_policy: str = "continuous",
-                 preemption: bool = True, trace: bool = False, cuda_graphs: bool | None = None,
-                 fused_decode: bool = True):
-        device = device or default_device()
-        self.attention_backend = select_backend(device, attention_backend)
-        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        model_dir = resolve_model_dir(model)
-        self.model_name = str(model)
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = c = config or EngineConfig()
+        device = c.device or default_device()
+        self.attention_backend = select_backend(device, c.attention_backend)
+        dtype = c.dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        model_dir = resolve_model_dir(c.model)
+        self.model_name = str(c.model)
         self.tokenizer = Tokenizer(model_dir)
         self.model = load_model(model_dir, dtype=dtype, device=device)
         cfg = self.model.config
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        num_blocks = c.num_blocks
         if num_blocks is None:
-            per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-            num_blocks = max(1, (kv_cache_memory or self._default_kv_memory(device)) // per_block)
+            per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                                     dtype)
+            num_blocks = max(1, (c.kv_cache_memory or self._default_kv_memory(device)) // per_block)
         # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA). They need
         # one scratch block beyond the pool the scheduler hands out, for the padding rows of a
         # padded batch. `cuda_graphs=True` on the CPU runs the same static buffers and padding
         # without capturing anything: that is how the CPU tests check them.
-        use_graphs = (cuda_graphs if cuda_graphs is not None else device.startswith("cuda")) \
+        use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
             and self.attention_backend == "triton"
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads,
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), c.block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=dtype, device=device)
-        self.scheduler = Scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                                   self.max_model_len, policy=scheduler_policy, preemption=preemption)
+        self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                                   self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption)
         self.runner = ModelRunner(self.model, self.cache, self.attention_backend)
         if use_graphs:
             from nanoserve.cuda_graphs import CUDAGraphDecoder
 
             self.runner.graph_decoder = CUDAGraphDecoder(self.model, self.cache, scratch_block=num_blocks,
-                                                         max_model_len=self.max_model_len, max_batch=max_num_seqs,
-                                                         fused=fused_decode)
+                                                         max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
+                                                         fused=c.fused_decode)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -140,7 +201,7 @@ class Engine:
         self.requests: dict[int, _Request] = {}
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
-        self.trace: list[StepRecord] | None = [] if trace else None
+        self.trace: list[StepRecord] | None = [] if c.trace else None
 
     @staticmethod
     def _default_kv_memory(device: str) -> int:
@@ -224,7 +285,8 @@ class Engine:
                 req.text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
             elif not req.cut:  # a character still held back by the detokenizer, and its stop strings
                 req.text += req.detok.flush()
-                req.cut_at_stop_string()
+                if req.cut_at_stop_string():
+                    seq.finish_reason = "stop"  # even if the same token hit max_tokens
         # Deliver text that can no longer turn out to be the start of a stop string.
         end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
         delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
@@ -243,8 +305,11 @@ class LLM:
         print(outs[0].text)
     """
 
-    def __init__(self, model: str | os.PathLike = "tiny", **engine_kwargs):
-        self.engine = Engine(model, **engine_kwargs)
+    def __init__(self, model: str | os.PathLike | EngineConfig = "tiny", **engine_config):
+        """`model` names the model (with `engine_config`: any other field of `EngineConfig`, such
+        as device, dtype or num_blocks), or is a whole `EngineConfig`."""
+        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **engine_config)
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],

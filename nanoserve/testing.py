@@ -223,12 +223,12 @@ class ServerThread:
                  max_pending: int = 256, max_body_bytes: int = 1 << 20):
         import socket
 
-        from nanoserve.engine import AsyncEngine, Engine
+        from nanoserve.engine import AsyncEngine, Engine, EngineConfig
         from nanoserve.server import create_app
 
         kwargs = dict(model="tiny", device="cpu")
         kwargs.update(engine_kwargs or {})
-        self.engine = Engine(**kwargs)
+        self.engine = Engine(EngineConfig(**kwargs))
         self.async_engine = AsyncEngine(self.engine, max_pending=max_pending)
         self.app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
         with socket.socket() as s:  # a free loopback port

@@ -13,13 +13,13 @@ import time
 import pytest
 
 from nanoserve.chat import ChatSession, run_chat
-from nanoserve.engine import Engine
+from nanoserve.engine import Engine, EngineConfig
 from nanoserve.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine("tiny", device="cpu", num_blocks=64)
+    return Engine(EngineConfig("tiny", device="cpu", num_blocks=64))
 
 
 def assert_idle(engine):
@@ -62,7 +62,7 @@ def test_stop_ends_the_answer_and_frees_its_blocks(engine):
 
 
 def test_a_conversation_over_the_context_is_refused_with_advice():
-    small = Engine("tiny", device="cpu", num_blocks=16, max_model_len=32)
+    small = Engine(EngineConfig("tiny", device="cpu", num_blocks=16, max_model_len=32))
     session = ChatSession(small, SamplingParams(temperature=0, max_tokens=4))
     with pytest.raises(ValueError, match="over this model's context of 32: /reset"):
         session.ask("word " * 40)
