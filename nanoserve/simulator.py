@@ -8,6 +8,10 @@ prefilled in it). This is enough to see the two regimes every server lives in:
   time-to-first-token is about one step;
 - *unstable*: they arrive faster; the queue, and everyone's waiting time, grows without bound.
 
+The scheduling decisions are the real ones: the simulator drives nanoserve's own `Scheduler`
+(static or continuous batching, its limits, its FCFS order) with a fake model that returns one
+token per sequence per step; only the clock is simulated.
+
 The engine can finish at most `max_running / (mean_output_tokens * step_time)` requests per
 second: that is the line between the two. Little's law (L = lambda * W: the mean number of
 requests in the system equals the arrival rate times the mean time each spends in it) holds in
@@ -19,6 +23,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from nanoserve.blocks import blocks_needed
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import Scheduler, Sequence
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -36,6 +43,9 @@ class SimConfig:
     output_len: tuple[int, int] = (20, 100)
     num_requests: int = 500
     policy: str = "continuous"  # or "static"
+    max_num_batched_tokens: int = 1 << 30  # the scheduler's token budget per step (default: none)
+    block_size: int = 16
+    num_blocks: int | None = None  # KV pool; default: room for max_running of the longest requests
     seed: int = 0
 
     @property
@@ -98,33 +108,38 @@ def simulate(cfg: SimConfig) -> SimResult:
         t += rng.expovariate(cfg.arrival_rate)
         arrivals.append(SimRequest(t, rng.randint(*cfg.prompt_len), rng.randint(*cfg.output_len)))
 
+    longest = cfg.prompt_len[1] + cfg.output_len[1]
+    num_blocks = cfg.num_blocks or cfg.max_running * blocks_needed(longest, cfg.block_size)
+    scheduler = Scheduler(num_blocks, cfg.block_size, max_num_seqs=cfg.max_running,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
+                          policy=cfg.policy)
     result = SimResult(arrivals)
-    queue: list[SimRequest] = []
-    running: list[SimRequest] = []
+    request_of: dict[int, SimRequest] = {}
     now, next_arrival, done = 0.0, 0, 0
     while done < len(arrivals):
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival <= now:
-            queue.append(arrivals[next_arrival])
+            r = arrivals[next_arrival]
+            seq = Sequence([0] * r.prompt_len, SamplingParams(temperature=0, max_tokens=r.output_len))
+            request_of[seq.seq_id] = r
+            scheduler.add(seq)
             next_arrival += 1
-        if not running and not queue:  # idle: record it, then jump to the next arrival
+        if not scheduler.has_unfinished():  # idle: record it, then jump to the next arrival
             result.timeline.append((now, 0, 0))
             now = arrivals[next_arrival].arrival
             continue
-        admitted: list[SimRequest] = []
-        if cfg.policy == "continuous" or not running:  # static admits only into an empty batch
-            while queue and len(running) < cfg.max_running:
-                admitted.append(queue.pop(0))
-                running.append(admitted[-1])
-        result.timeline.append((now, len(queue), len(running)))
-        now += cfg.step_time + cfg.prefill_time_per_token * sum(r.prompt_len for r in admitted)
-        for r in running:  # every running request gets one token at the end of the step
-            r.generated += 1
-            if r.first_token is None:
+        batch = scheduler.schedule()
+        result.timeline.append((now, len(scheduler.waiting), len(scheduler.running)))
+        prefilled = sum(n for n in batch.num_new_tokens if n > 1)
+        now += cfg.step_time + cfg.prefill_time_per_token * prefilled
+        scheduler.update(batch, [[0] * n for n in batch.num_samples])  # the fake model's tokens
+        for seq in batch.seqs:
+            r = request_of[seq.seq_id]
+            r.generated = seq.num_output_tokens
+            if r.first_token is None and r.generated:
                 r.first_token = now
-            if r.generated == r.output_len:
+            if seq.is_finished:
                 r.finish = now
                 done += 1
-        running = [r for r in running if r.finish is None]
-    result.timeline.append((now, len(queue), len(running)))
+    result.timeline.append((now, len(scheduler.waiting), len(scheduler.running)))
     result.duration = now - arrivals[0].arrival
     return result
