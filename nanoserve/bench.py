@@ -177,7 +177,7 @@ def step_breakdown(engine, steps: int) -> dict[str, float]:
 
 def replay_ms(engine, reps: int = 200) -> float | None:
     """GPU time of one batch-1 decode graph replay alone: the floor for a step."""
-    graphs = engine.runner.graph_decoder
+    graphs = engine.runner.graphs
     if graphs is None or not graphs.capture:
         return None
     graphs.graphs[1].replay()
@@ -216,7 +216,7 @@ def bench_latency(args) -> dict:
             times.append(time.perf_counter())
         speeds.append((args.new_tokens - 1) / (times[-1] - times[0]))
     ours = statistics.median(speeds[1:])  # the first run compiles kernels
-    graphs = engine.runner.graph_decoder
+    graphs = engine.runner.graphs
     label = "nanoserve" + (" (CUDA graphs)" if graphs is not None and graphs.capture else " (eager)")
     engine.add_request(prompt, params)
     engine.step()  # the prefill
@@ -335,7 +335,7 @@ def bench_throughput(args) -> dict:
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
                  steps=engine.num_steps - steps0, preemptions=engine.scheduler.num_preemptions)]
-    kv_blocks = engine.cache.num_blocks
+    kv_blocks = engine.runner.cache.num_blocks
     del llm, engine
     _free_gpu()
     if args.hf:

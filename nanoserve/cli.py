@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes)
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
-          f"({engine.cache.num_blocks} KV blocks of {engine.cache.block_size}, {engine.attention_backend} attention)",
+          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

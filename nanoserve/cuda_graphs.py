@@ -15,7 +15,8 @@ Prefill steps, and batches larger than the largest size, run eagerly as before.
 
 Once the GPU work is one replay, the host work around it is what is left, so the inputs are
 staged without per-step allocation: host mirrors of the buffers (pinned, so the copies are
-asynchronous), filled from the sequences with plain Python and NumPy, and sent with one copy for
+asynchronous), filled from the step's `StepInput` (plain lists: the graph code never sees a
+scheduler `Sequence`) with plain Python and NumPy, and sent with one copy for
 the four per-sequence inputs and one for the block tables. A block-table row is rewritten only
 when its sequence or its number of blocks changed (once every `block_size` steps per sequence).
 
@@ -25,13 +26,17 @@ the bookkeeping behave identically, which is how the CPU tests check them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels.fused import fused_decode_forward
 from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from nanoserve.model import Llama
-from nanoserve.scheduler import Sequence
+
+if TYPE_CHECKING:
+    from nanoserve.runner import StepInput
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -123,21 +128,15 @@ class CUDAGraphDecoder:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
 
-    def stage(self, seqs: list[Sequence]) -> int:
+    def stage(self, step: StepInput) -> int:
         """Copy one decode step's inputs into the static buffers; returns the padded batch size."""
         # >>> week12: stage-inputs
-        n, block_size = len(seqs), self.cache.block_size
+        n = step.num_seqs
         bs = padded_size(n, self.sizes)
-        ids, positions, slots, lens = [], [], [], []
         width = 1
-        for i, seq in enumerate(seqs):
-            pos, table = seq.num_computed, seq.block_table  # the new token's position, its blocks
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            lens.append(pos + 1)
+        for i, (table, table_id) in enumerate(zip(step.block_tables, step.table_ids)):
             width = max(width, len(table))
-            owner = (seq.seq_id, seq.num_preemptions, len(table))  # a table only grows, until preempted
+            owner = (table_id, len(table))  # a table only grows, until its version changes
             if self.row_owner[i] != owner:  # another sequence, or a new block: rewrite the row
                 self.host_tables[i, : len(table)] = table
                 self.row_owner[i] = owner
@@ -145,10 +144,10 @@ class CUDAGraphDecoder:
         # block-table rows keep whatever they held: they only read one slot, and nobody uses it.
         pad = bs - n
         host = self.host_inputs.numpy()
-        host[0, :bs] = ids + [0] * pad
-        host[1, :bs] = positions + [0] * pad
-        host[2, :bs] = slots + [self.scratch_slot] * pad
-        host[3, :bs] = lens + [1] * pad
+        host[0, :bs] = step.input_ids + [0] * pad
+        host[1, :bs] = step.positions + [0] * pad
+        host[2, :bs] = step.slot_mapping + [self.scratch_slot] * pad
+        host[3, :bs] = step.context_lens + [1] * pad
         self.inputs.copy_(self.host_inputs, non_blocking=True)
         # The block tables: only the [bs, width] corner changes; pack it, send it, unpack on the GPU.
         compact = self.host_compact[: bs * width]
@@ -160,12 +159,12 @@ class CUDAGraphDecoder:
         # <<< week12: stage-inputs
 
     @torch.no_grad()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step for the sequences (one new token each) -> logits [n, vocab]."""
-        bs = self.stage(seqs)
+    def run(self, step: StepInput) -> torch.Tensor:
+        """One decode step (one new token per sequence) -> logits [n, vocab]."""
+        bs = self.stage(step)
         if self.capture:
             self.graphs[bs].replay()
             logits = self.logits[bs]
         else:
             logits = self._forward(bs)
-        return logits[: len(seqs)]
+        return logits[: step.num_seqs]

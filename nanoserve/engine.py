@@ -177,23 +177,16 @@ class Engine:
             per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
                                                      dtype)
             num_blocks = max(1, (c.kv_cache_memory or self._default_kv_memory(device)) // per_block)
-        # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA). They need
-        # one scratch block beyond the pool the scheduler hands out, for the padding rows of a
-        # padded batch. `cuda_graphs=True` on the CPU runs the same static buffers and padding
-        # without capturing anything: that is how the CPU tests check them.
+        # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
+        # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
+        # anything: that is how the CPU tests check them.
         use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
             and self.attention_backend == "triton"
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), c.block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=dtype, device=device)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption)
-        self.runner = ModelRunner(self.model, self.cache, self.attention_backend)
-        if use_graphs:
-            from nanoserve.cuda_graphs import CUDAGraphDecoder
-
-            self.runner.graph_decoder = CUDAGraphDecoder(self.model, self.cache, scratch_block=num_blocks,
-                                                         max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
-                                                         fused=c.fused_decode)
+        self.runner = ModelRunner(self.model, num_blocks, c.block_size, self.attention_backend, cuda_graphs=use_graphs,
+                                  max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
+                                  fused_decode=c.fused_decode)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

@@ -1,19 +1,26 @@
-"""Week 5: the model runner turns the scheduler's `Batch` into tensors and runs the model.
+"""Week 5: the model runner turns the scheduler's `Batch` into one forward pass.
 
 It is the only place where scheduling decisions (lists of sequences and token counts) meet
-tensors. For each step it builds the packed inputs:
+tensors, and it owns everything on the device side of a step: the paged KV pool, and (week 12)
+the CUDA graphs with their scratch block. Each step goes through one plain description of it:
+
+    Batch --step_input()--> StepInput --prepare()--> tensors + attention context --> logits
+                                      \--graphs.run()--> one replayed CUDA graph --> logits
+
+`StepInput` holds lists of ints only, no `Sequence` and no tensor, so the eager path, the graph
+path (and, later, a worker process on another GPU) all consume the same thing:
 
     input_ids, positions [T]    the new tokens of every scheduled sequence, back to back
     slot_mapping [T]            where each new token's K/V goes in the block pool
     query_start_loc [N + 1]     where each sequence's tokens start in the packed batch
     context_lens [N]            each sequence's length once this step is done
-    block_tables [N, max_blocks]
-
-then runs one forward pass and returns the logits of the rows to sample: each sequence's last
-`batch.num_samples[i]` positions (its last token, usually).
+    block_tables [N][...]       each sequence's physical blocks
+    sample_rows                 the packed rows whose logits are sampled, in order
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,20 +30,55 @@ from nanoserve.model import Llama
 from nanoserve.scheduler import Batch
 
 
+@dataclass
+class StepInput:
+    """One step of the model, as plain data."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    table_ids: list[tuple[int, int]]  # per sequence: equal ids mean the table only grew since
+    sample_rows: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampled: the shape CUDA graphs are captured for."""
+        return len(self.input_ids) == self.num_seqs == len(self.sample_rows)
+
+
 class ModelRunner:
-    def __init__(self, model: Llama, cache: PagedKVCache, attention_backend: str = "torch"):
+    def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
+                 cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
+                 fused_decode: bool = True):
         self.model = model
-        self.cache = cache
         self.device = model.embed_tokens.weight.device
+        cfg = model.config
+        # Week 12: CUDA graphs need one block beyond the pool the scheduler hands out: the
+        # padding rows of a padded batch write their K/V there.
+        self.scratch_block = num_blocks if cuda_graphs else None
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
         self.context_class = PagedContext
-        self.graph_decoder = None  # week 12: set by the engine when decode steps use CUDA graphs
         if attention_backend == "triton":  # week 6: same context interface, Triton inside
             from nanoserve.kernels.triton_backend import TritonPagedContext
 
             self.context_class = TritonPagedContext
+        self.graphs = None
+        if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
+            from nanoserve.cuda_graphs import CUDAGraphDecoder
 
-    def metadata(self, batch: Batch) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
-        """Batch -> python lists: input_ids, positions, slots, query_start_loc, context_lens, tables."""
+            self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
+                                           fused=fused_decode)
+
+    def step_input(self, batch: Batch) -> StepInput:
+        """The scheduler's batch -> the step as plain lists."""
         # >>> week05: prepare-inputs
         block_size = self.cache.block_size
         input_ids: list[int] = []
@@ -44,41 +86,43 @@ class ModelRunner:
         slots: list[int] = []
         query_start_loc = [0]
         context_lens: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        sample_rows: list[int] = []
+        for seq, n, k in zip(batch.seqs, batch.num_new_tokens, batch.num_samples):
             start = seq.num_computed
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += [slot_of(seq.block_table, p, block_size) for p in range(start, start + n)]
             query_start_loc.append(query_start_loc[-1] + n)
             context_lens.append(start + n)
-        tables = [seq.block_table for seq in batch.seqs]
-        return input_ids, positions, slots, query_start_loc, context_lens, tables
+            sample_rows += range(query_start_loc[-1] - k, query_start_loc[-1])  # its last k rows
         # <<< week05: prepare-inputs
+        return StepInput(input_ids, positions, slots, query_start_loc, context_lens,
+                         block_tables=[seq.block_table for seq in batch.seqs],
+                         table_ids=[(seq.seq_id, seq.block_table_version) for seq in batch.seqs],
+                         sample_rows=sample_rows)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        """Batch -> (input_ids [T], positions [T], the attention context)."""
-        input_ids, positions, slots, query_start_loc, context_lens, tables = self.metadata(batch)
-        width = max(len(t) for t in tables)
-        tables = [t + [0] * (width - len(t)) for t in tables]  # padded: one rectangular tensor
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+        """StepInput -> (input_ids [T], positions [T], the attention context) on the device."""
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]  # padded: one rectangular tensor
         dev = self.device
         ctx = self.context_class(
             self.cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            query_start_loc=step.query_start_loc,
+            context_lens=step.context_lens,
             block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
         )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), ctx)
+        return (torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+                torch.tensor(step.positions, dtype=torch.long, device=dev), ctx)
 
     @torch.no_grad()
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order."""
-        graphs = self.graph_decoder
-        all_decode = batch.num_scheduled_tokens == len(batch) == sum(batch.num_samples)
-        if graphs is not None and graphs.fits(len(batch)) and all_decode:
-            return graphs.run(batch.seqs)  # week 12: one replay
-        input_ids, positions, ctx = self.prepare(batch)
+        step = self.step_input(batch)
+        if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
+            return self.graphs.run(step)  # week 12: one replay
+        input_ids, positions, ctx = self.prepare(step)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        rows = [end - k for end, n in zip(ctx.query_start_loc[1:], batch.num_samples) for k in range(n, 0, -1)]
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])

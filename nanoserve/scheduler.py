@@ -61,6 +61,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     block_table: list[int] = field(default_factory=list)
+    block_table_version: int = 0  # bumped when the table is given back: until then it only grows
     num_computed: int = 0  # tokens whose K/V are in the cache
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
@@ -198,6 +199,7 @@ class Scheduler:
         for block in seq.block_table:
             self.allocator.free(block)
         seq.block_table = []
+        seq.block_table_version += 1
         seq.num_computed = 0
 
     def _grow_to(self, seq: Sequence, num_tokens: int) -> None:

@@ -55,7 +55,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     for graphs in (True, False):
         llm = LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                   num_blocks=64, max_num_seqs=8, max_model_len=256, cuda_graphs=graphs)
-        assert (llm.engine.runner.graph_decoder is not None) == graphs
+        assert (llm.engine.runner.graphs is not None) == graphs
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.scheduler.allocator.num_free == 64
     assert outs[True] == outs[False]

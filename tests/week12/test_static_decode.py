@@ -12,7 +12,7 @@ import torch
 from nanoserve.cuda_graphs import CAPTURE_SIZES, CUDAGraphDecoder, padded_size
 from nanoserve.engine import LLM
 from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Sequence
+from nanoserve.scheduler import Batch, Sequence
 from nanoserve.testing import make_checkpoint, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,13 +39,18 @@ def make_llm(path, graphs: bool, num_blocks: int = 64) -> LLM:
 def test_stage_fills_the_buffers_and_pads(checkpoint):
     path, _ = checkpoint
     llm = make_llm(path, graphs=True)
-    dec = llm.engine.runner.graph_decoder
+    dec = llm.engine.runner.graphs
     assert isinstance(dec, CUDAGraphDecoder) and dec.capture == (DEVICE == "cuda") and dec.sizes == [1, 2, 4, 8]
     a = Sequence([5, 6, 7, 8, 9], SamplingParams())  # 5 tokens; the 5th is the one to decode
     b = Sequence([1, 2], SamplingParams())
     a.block_table, a.num_computed = [10, 3], 4
     b.block_table, b.num_computed = [7], 1
-    bs = dec.stage([a, b, b])  # three rows (b twice is fine for staging): padded to 4
+    runner = llm.engine.runner
+
+    def stage(*seqs):
+        return dec.stage(runner.step_input(Batch(list(seqs), [1] * len(seqs))))
+
+    bs = stage(a, b, b)  # three rows (b twice is fine for staging): padded to 4
     assert bs == 4
     ids, pos, slots, lens = dec.inputs[:, :4].tolist()
     assert ids == [9, 2, 2, 0] and pos == [4, 1, 1, 0] and lens == [5, 2, 2, 1]
@@ -55,12 +60,12 @@ def test_stage_fills_the_buffers_and_pads(checkpoint):
     a.block_table.append(11)
     a.num_computed = 8
     a.token_ids += [1, 2, 3, 4]
-    dec.stage([b, a])
+    stage(b, a)
     assert dec.block_tables[0, 0].item() == 7 and dec.block_tables[1, :3].tolist() == [10, 3, 11]
     assert dec.inputs[2, 1].item() == 11 * 4 + 0
     # preempted and readmitted: new blocks, same number of them, same row
-    a.block_table, a.num_preemptions = [20, 21, 22], a.num_preemptions + 1
-    dec.stage([b, a])
+    a.block_table, a.block_table_version = [20, 21, 22], a.block_table_version + 1
+    stage(b, a)
     assert dec.block_tables[1, :3].tolist() == [20, 21, 22]
 
 

@@ -114,7 +114,7 @@ def test_on_the_gpu(llm):
     prompts = [chat_ids(llm, m) for m in CHATS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     f32 = LLM("smollm2", dtype=torch.float32, max_model_len=1024, num_blocks=512)
-    assert f32.engine.attention_backend == "triton" and f32.engine.runner.graph_decoder is not None
+    assert f32.engine.attention_backend == "triton" and f32.engine.runner.graphs is not None
     assert [o.token_ids for o in f32.generate(prompts, params)] == [o.token_ids for o in llm.generate(prompts, params)]
     del f32
 
