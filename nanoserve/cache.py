@@ -106,8 +106,8 @@ class PagedKVCache:
         # >>> week04: write-kv
         flat_k = self.k[layer_idx].view(-1, *self.k.shape[-2:])  # [num_slots, Hkv, D], no copy
         flat_v = self.v[layer_idx].view(-1, *self.v.shape[-2:])
-        flat_k[slots] = k
-        flat_v[slots] = v
+        flat_k.index_copy_(0, slots, k)  # one scatter kernel each, and capturable in a CUDA graph
+        flat_v.index_copy_(0, slots, v)
         # <<< week04: write-kv
 
     def gather(self, layer_idx: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

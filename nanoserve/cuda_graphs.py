@@ -52,9 +52,8 @@ class StaticDecodeContext:
         self.num_splits = choose_num_splits(len(slot_mapping), cache.k.shape[-2], max_context, slot_mapping.device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        k_pool.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
-        v_pool.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
         return paged_decode_attention(q, k_pool, v_pool, self.block_tables, self.context_lens,
                                       self.max_context, num_splits=self.num_splits)
 

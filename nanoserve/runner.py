@@ -5,7 +5,7 @@ tensors, and it owns everything on the device side of a step: the paged KV pool,
 the CUDA graphs with their scratch block. Each step goes through one plain description of it:
 
     Batch --step_input()--> StepInput --prepare()--> tensors + attention context --> logits
-                                      \--graphs.run()--> one replayed CUDA graph --> logits
+                                 (decode steps, week 12) --graphs.run()--> one graph replay --> logits
 
 `StepInput` holds lists of ints only, no `Sequence` and no tensor, so the eager path, the graph
 path (and, later, a worker process on another GPU) all consume the same thing:

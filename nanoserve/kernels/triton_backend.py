@@ -1,8 +1,8 @@
 """Week 6: the paged attention context with Triton doing the reading.
 
 Same interface and same cache as `nanoserve.cache.PagedContext`; only `attend` differs:
-- writing the new tokens' K/V: one `index_copy_` per layer into the flattened pool. It is a
-  single scatter kernel in PyTorch already, so a Triton version would buy nothing.
+- writing the new tokens' K/V: the cache's own `write` (week 4), one scatter kernel per tensor
+  already, so a Triton version would buy nothing.
 - decode steps (one new token per sequence): the Triton kernel in `paged_attention.py`.
 - prefill (a fresh prompt, nothing cached yet): all of its keys are the new ones, so the paged
   pool need not be read at all; PyTorch's fused `scaled_dot_product_attention` does it, one
@@ -41,9 +41,8 @@ class TritonPagedContext(PagedContext):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # >>> week06: triton-attend
+        self.cache.write(layer_idx, self.slot_mapping, k, v)
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [blocks, block_size, Hkv, D]
-        k_pool.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
-        v_pool.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
         if self.all_decode:  # the common case: one kernel launch for the whole batch
             return paged_decode_attention(q, k_pool, v_pool, self.decode_tables, self.decode_lens,
                                           self.max_decode_context)
