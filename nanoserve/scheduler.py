@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 
 from nanoserve.blocks import blocks_needed
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence
 
 

@@ -37,3 +37,14 @@ def test_continuous_beats_static_on_latency():
     continuous = simulate(SimConfig(policy="continuous", **common))
     assert continuous.percentile(continuous.ttfts, 50) < static.percentile(static.ttfts, 50)
     assert continuous.percentile(continuous.latencies, 99) < static.percentile(static.latencies, 99)
+
+
+def test_the_scheduler_and_the_simulator_need_no_torch():
+    """Scheduling is bookkeeping: importing it must not pull in torch (a worker-free driver, the
+    simulator and the scheduler's tests run on plain integers)."""
+    import subprocess
+    import sys
+
+    code = "import sys, nanoserve.scheduler, nanoserve.simulator; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
