@@ -110,7 +110,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda when available
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for the pool; default: 80% of free GPU memory, 256 MiB on the CPU
+    kv_cache_memory: int | None = None  # bytes for the pool; default: measured on a GPU (below), 256 MiB on the CPU
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 8192  # tokens through the model per step
     max_model_len: int | None = None  # default: the model's context length
@@ -120,6 +120,7 @@ class EngineConfig:
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_decode: bool = True  # week 12's fused kernels inside the graphs
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -135,7 +136,10 @@ class EngineConfig:
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-memory)")
         p.add_argument("--kv-cache-memory", type=float, default=None,
-                       help="GiB for the KV pool (default: 80%% of free GPU memory; 0.25 on the CPU)")
+                       help="GiB for the KV pool (default: what --gpu-memory-utilization leaves after a "
+                            "measured step; 0.25 on the CPU)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of the GPU's memory for weights, activations, graphs and the KV pool")
         p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
         p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -157,7 +161,8 @@ class EngineConfig:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
-                   cuda_graphs=args.cuda_graphs, fused_decode=args.fused_decode)
+                   cuda_graphs=args.cuda_graphs, fused_decode=args.fused_decode,
+                   gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 class Engine:
@@ -172,21 +177,18 @@ class Engine:
         self.model = load_model(model_dir, dtype=dtype, device=device)
         cfg = self.model.config
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_blocks = c.num_blocks
-        if num_blocks is None:
-            per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                                     dtype)
-            num_blocks = max(1, (c.kv_cache_memory or self._default_kv_memory(device)) // per_block)
         # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
         # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
         # anything: that is how the CPU tests check them.
         use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
             and self.attention_backend == "triton"
+        runner_args = dict(attention_backend=self.attention_backend, cuda_graphs=use_graphs,
+                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs, fused_decode=c.fused_decode)
+        self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
+        num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption)
-        self.runner = ModelRunner(self.model, num_blocks, c.block_size, self.attention_backend, cuda_graphs=use_graphs,
-                                  max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
-                                  fused_decode=c.fused_decode)
+        self.runner = ModelRunner(self.model, num_blocks, c.block_size, **runner_args)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -196,12 +198,27 @@ class Engine:
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if c.trace else None
 
-    @staticmethod
-    def _default_kv_memory(device: str) -> int:
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info()
-            return int(free * 0.8)  # leave room for activations and the allocator's slack
-        return 256 * 2**20  # 256 MiB on the CPU
+    def _kv_pool_blocks(self, device: str, dtype: torch.dtype, runner_args: dict) -> int:
+        """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what
+        is left of `gpu_memory_utilization` of its memory once the weights and the measured
+        peak of the largest step (and the CUDA graphs) are accounted for."""
+        c, cfg = self.config, self.model.config
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if c.kv_cache_memory is not None:
+            return max(1, c.kv_cache_memory // per_block)
+        if not device.startswith("cuda"):
+            return max(1, 256 * 2**20 // per_block)
+        step_bytes = ModelRunner.measure_step_memory(self.model, c.block_size, c.max_num_batched_tokens, **runner_args)
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
+        if budget < per_block:
+            raise ValueError(
+                f"no GPU memory is left for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights and "
+                f"other processes), a step needs {step_bytes / 2**30:.1f} GiB more, and gpu_memory_utilization is "
+                f"{c.gpu_memory_utilization}: raise it, lower max_num_batched_tokens or max_num_seqs, or free the GPU"
+            )
+        self.kv_sizing = dict(step_bytes=step_bytes, budget_bytes=budget, total_bytes=total)
+        return budget // per_block
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.blocks import slot_of
+from nanoserve.blocks import blocks_needed, slot_of
 from nanoserve.cache import PagedContext, PagedKVCache
 from nanoserve.model import Llama
 from nanoserve.scheduler import Batch
@@ -76,6 +76,35 @@ class ModelRunner:
 
             self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
                                            fused=fused_decode)
+
+    @classmethod
+    @torch.no_grad()
+    def measure_step_memory(cls, model: Llama, block_size: int, max_num_batched_tokens: int, max_model_len: int,
+                            max_batch: int, **runner_args) -> int:
+        """GPU bytes a step needs beyond the weights and the KV pool, measured, not guessed: build
+        a runner over a pool just large enough (its CUDA graphs captured, if any), run the largest
+        prefill step the scheduler may send (max_num_batched_tokens tokens, as many rows sampled
+        as the largest batch), and read the allocator's peak. Everything is freed afterwards."""
+        tokens = min(max_num_batched_tokens, max_model_len)
+        num_blocks = blocks_needed(tokens, block_size)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_reserved()
+        runner = cls(model, num_blocks, block_size, max_model_len=max_model_len, max_batch=max_batch, **runner_args)
+        pool = 2 * runner.cache.k.nbytes
+        rows = min(tokens, max_batch)
+        step = StepInput(input_ids=[0] * tokens, positions=list(range(tokens)), slot_mapping=list(range(tokens)),
+                         query_start_loc=[0, tokens], context_lens=[tokens], block_tables=[list(range(num_blocks))],
+                         table_ids=[(-1, 0)], sample_rows=list(range(tokens - rows, tokens)))
+        input_ids, positions, ctx = runner.prepare(step)
+        hidden = model(input_ids, positions, ctx)
+        model.compute_logits(hidden[torch.tensor(step.sample_rows, device=runner.device)])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_reserved() - before - pool
+        del runner, ctx, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     def step_input(self, batch: Batch) -> StepInput:
         """The scheduler's batch -> the step as plain lists."""

@@ -101,3 +101,19 @@ def test_static_decode_survives_preemption(checkpoint):
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.scheduler.allocator.num_free == 12
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_kv_pool_is_sized_from_measured_memory(checkpoint):
+    """The pool takes what `gpu_memory_utilization` leaves after the weights and a measured step
+    (graphs included), so running the largest steps stays within that share of the GPU."""
+    path, _ = checkpoint
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(str(path), dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_batched_tokens=1024,
+              max_num_seqs=64)
+    sizing = llm.engine.kv_sizing
+    assert sizing is not None and sizing["step_bytes"] > 0 and llm.engine.runner.cache.num_blocks > 1000
+    prompts = [[1 + (i * 7 + j) % 4000 for j in range(200 + i)] for i in range(64)]
+    torch.cuda.reset_peak_memory_stats()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert torch.cuda.max_memory_reserved() <= 0.5 * total * 1.02, (torch.cuda.max_memory_reserved(), total)
