@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true")
     cache.set_defaults(func=cmd_cache)
 
-    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset (see nanoserve/course.py)")
+    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course.py)")
     return parser
 
 

@@ -5,6 +5,7 @@
     python -m nanoserve.course check              # progress over all weeks
     python -m nanoserve.course peek rmsnorm       # show the reference solution of one exercise
     python -m nanoserve.course reset --week 3     # put week 3's stubs back
+    python -m nanoserve.course notebook --week 3  # open week 3's notebook on your workspace
 
 (`nanoserve course ...` is the same command.)
 
@@ -19,14 +20,17 @@ exercise of week N and later with `raise NotImplementedError(...)`, keeping the 
 signatures, the docstrings and all the code around them. You edit `workspace/nanoserve/`; the
 reference stays untouched for `peek`. The tests are the same files for everyone: when the
 environment variable NANOSERVE_WORKSPACE names a workspace, `tests/conftest.py` puts it first
-on `sys.path`, so `import nanoserve` finds your copy instead of the reference.
+on `sys.path`, so `import nanoserve` finds your copy instead of the reference. The notebooks
+do the same in their first cell, and `notebook --week N` starts Jupyter with the variable set.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +40,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 DEFAULT_WORKSPACE = REPO_DIR / "workspace"
+NOTEBOOK_DIR = REPO_DIR / "notebooks"
 ENV_VAR = "NANOSERVE_WORKSPACE"
 
 BEGIN = re.compile(r"^(?P<indent>\s*)# >>> week(?P<week>\d\d): (?P<name>[a-z0-9-]+)\s*$")
@@ -281,6 +286,70 @@ def progress(workspace: Path = DEFAULT_WORKSPACE) -> None:
         print(f"{week:>4}  {written:>8}/{len(status) or '-':<8}  {verdict}: {_summary_line(result.stdout)}")
 
 
+# ------------------------------------------------------------------------------- notebooks
+
+
+def week_notebooks(week: int) -> list[Path]:
+    return sorted(NOTEBOOK_DIR.glob(f"week{week:02d}_*.ipynb"))
+
+
+def notebook_command(week: int, workspace: Path = DEFAULT_WORKSPACE, no_browser: bool = False,
+                     jupyter_args: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command that opens week N's notebook in JupyterLab, and the variables it adds to the
+    environment: NANOSERVE_WORKSPACE, which the notebook's first cell reads. It runs in the
+    repository root. Raises FileNotFoundError if the week has no notebook or there is no workspace."""
+    notebooks = week_notebooks(week)
+    if not notebooks:
+        have = sorted({int(p.name[4:6]) for p in NOTEBOOK_DIR.glob("week[0-9][0-9]_*.ipynb")})
+        raise FileNotFoundError(f"week {week} has no notebook (the weeks with one: "
+                                f"{', '.join(map(str, have))})")
+    if not (workspace / "nanoserve").is_dir():
+        raise FileNotFoundError(f"no workspace at {workspace}: run `nanoserve course start --week {week}` first")
+    cmd = [sys.executable, "-m", "jupyterlab", *(str(p.relative_to(REPO_DIR)) for p in notebooks)]
+    if no_browser:
+        cmd.append("--no-browser")
+    cmd += jupyter_args or []
+    return cmd, {ENV_VAR: str(Path(workspace).resolve())}
+
+
+def open_notebook(week: int, workspace: Path = DEFAULT_WORKSPACE, no_browser: bool = False,
+                  dry_run: bool = False, jupyter_args: list[str] | None = None) -> int:
+    """`notebook --week N`: print what it will run (and stop there with `dry_run`), then run
+    JupyterLab until it is shut down. Returns an exit status."""
+    try:
+        cmd, extra_env = notebook_command(week, workspace, no_browser, jupyter_args)
+    except FileNotFoundError as e:
+        print(e.args[0], file=sys.stderr)
+        return 2
+    line = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra_env.items()) + " " + shlex.join(cmd)
+    if dry_run:
+        print(f"in {REPO_DIR}:")
+        print(line)
+        return 0
+    if importlib.util.find_spec("jupyterlab") is None:
+        print("JupyterLab is not installed in this environment: `pip install -e '.[dev]'` "
+              "(or `pip install jupyterlab`)", file=sys.stderr)
+        return 2
+    stubs = [f"week{w:02d}:{name}" for w in range(1, week + 1)
+             for name, written in exercise_status(w, workspace) if not written]
+    names = ", ".join(f"notebooks/{p.name}" for p in week_notebooks(week))
+    print(f"Opening {names} on your workspace, {workspace / 'nanoserve'}")
+    if stubs:
+        print(f"Still stubs there, up to week {week}: {', '.join(stubs)}. The cells that reach them "
+              "raise NotImplementedError.")
+    print("After you change your code, restart the kernel: Python imports a module only once.")
+    if no_browser:
+        print("Open the address JupyterLab prints below in a browser (through an ssh tunnel from a "
+              "remote machine), then the notebook from the file list.")
+    print(line, flush=True)
+    child = subprocess.Popen(cmd, cwd=REPO_DIR, env={**os.environ, **extra_env})
+    while True:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:  # Jupyter got the Ctrl-C too: let it ask and shut down itself
+            continue
+
+
 # ------------------------------------------------------------------------------------- CLI
 
 
@@ -297,7 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("reset", help="put a week's stubs back")
     p.add_argument("--week", type=int, required=True)
     sub.add_parser("list", help="list every exercise")
-    args = ap.parse_args(argv)
+    p = sub.add_parser("notebook", help="open a week's notebook in JupyterLab, on the workspace",
+                       description="Any other option goes to JupyterLab, e.g. --port 8890.")
+    p.add_argument("--week", type=int, required=True)
+    p.add_argument("--no-browser", action="store_true",
+                   help="start the server without opening a browser, and print its address (headless, ssh)")
+    p.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
+    p.add_argument("--workspace", type=Path, default=argparse.SUPPRESS,
+                   help="the workspace to use (default: workspace/ in the repository)")
+    args, jupyter_args = ap.parse_known_args(argv)
+    if jupyter_args and args.command != "notebook":
+        ap.error(f"unrecognized arguments: {' '.join(jupyter_args)}")
 
     if args.command == "start":
         target = make_workspace(args.week, args.workspace)
@@ -321,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         n = reset_week(args.week, args.workspace)
         print(f"restored {n} stub(s) of week {args.week} in {args.workspace / 'nanoserve'}")
         return 0
+    if args.command == "notebook":
+        return open_notebook(args.week, args.workspace, args.no_browser, args.dry_run, jupyter_args)
     for ex in all_exercises():
         print(f"{ex.key:<40} nanoserve/{ex.path}")
     return 0

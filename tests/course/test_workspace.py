@@ -7,6 +7,12 @@ removes code, so passing with weeks N+1.. stubbed implies passing with any later
 """
 
 import ast
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +120,101 @@ def test_week_tests_catch_their_own_stubs(week, tmp_path):
         passing = course.run_week_tests(week, ws_next)
         assert passing.returncode == 0, (
             f"tests/week{week:02d} need code from a later week:\n" + passing.stdout[-3000:])
+
+
+# ------------------------------------------------------------------- notebooks on the workspace
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("week[0-9][0-9]_*.ipynb"))
+
+
+def first_code_cell(path: Path) -> str:
+    cells = json.loads(path.read_text())["cells"]
+    return "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
+
+
+def test_every_notebook_starts_with_the_same_workspace_cell():
+    reference = first_code_cell(NOTEBOOKS[0])
+    assert course.ENV_VAR in reference
+    differ = [p.name for p in NOTEBOOKS if first_code_cell(p) != reference]
+    assert not differ, f"these notebooks do not start with the cell of {NOTEBOOKS[0].name}: {differ}"
+
+
+@pytest.fixture(scope="module")
+def stubbed_workspace(tmp_path_factory) -> Path:
+    ws = tmp_path_factory.mktemp("notebook-ws")
+    course.make_workspace(1, ws, keep_learner_work=False)
+    return ws
+
+
+def run_first_cell(path: Path, workspace: str | None) -> subprocess.CompletedProcess:
+    """A notebook's first code cell alone, in a fresh interpreter started in notebooks/, as a kernel is."""
+    env = {k: v for k, v in os.environ.items() if k != course.ENV_VAR}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)  # as test_notebooks.py
+    if workspace is not None:
+        env[course.ENV_VAR] = workspace
+    code = first_code_cell(path) + "\nprint('FILE=' + nanoserve.__file__)\n"
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO / "notebooks", env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_a_notebooks_first_cell_imports_the_workspace(path, stubbed_workspace):
+    mine = run_first_cell(path, str(stubbed_workspace))
+    assert mine.returncode == 0, mine.stderr
+    imported = Path(mine.stdout.split("FILE=")[-1].strip())
+    assert imported.resolve() == (stubbed_workspace / "nanoserve" / "__init__.py").resolve()
+    assert "your workspace" in mine.stdout
+    reference = run_first_cell(path, None)
+    assert reference.returncode == 0, reference.stderr
+    assert Path(reference.stdout.split("FILE=")[-1].strip()).resolve() == course.PACKAGE_DIR / "__init__.py"
+    assert "the reference" in reference.stdout
+    # A variable that names no workspace (a relative path counts from notebooks/) is an error,
+    # not a silent fall back to the reference.
+    wrong = run_first_cell(path, "workspace")
+    assert wrong.returncode != 0 and "ImportError" in wrong.stderr
+
+
+def test_notebook_command_opens_the_weeks_notebook_on_the_workspace(tmp_path, capsys, monkeypatch):
+    ws = tmp_path / "ws"
+    assert course.main(["--workspace", str(ws), "notebook", "--week", "5", "--dry-run"]) == 2
+    assert f"no workspace at {ws}: run `nanoserve course start --week 5` first" in capsys.readouterr().err
+    course.make_workspace(5, ws)
+
+    cmd, env = course.notebook_command(5, ws, no_browser=True)
+    assert cmd == [sys.executable, "-m", "jupyterlab", "notebooks/week05_engine.ipynb", "--no-browser"]
+    assert env == {course.ENV_VAR: str(ws.resolve())}
+    # --dry-run prints the command and its environment, and starts nothing; other options go to Jupyter.
+    assert course.main(["--workspace", str(ws), "notebook", "--week", "5", "--no-browser", "--dry-run",
+                        "--port", "8899"]) == 0
+    expected = [sys.executable, "-m", "jupyterlab", "notebooks/week05_engine.ipynb", "--no-browser", "--port", "8899"]
+    assert f"{course.ENV_VAR}={shlex.quote(str(ws.resolve()))} {shlex.join(expected)}" in capsys.readouterr().out
+    assert course.main(["notebook", "--week", "5", "--workspace", str(ws), "--dry-run"]) == 0  # either place
+    assert f"{course.ENV_VAR}={shlex.quote(str(ws.resolve()))} " in capsys.readouterr().out
+    assert course.main(["--workspace", str(ws), "notebook", "--week", "99", "--dry-run"]) == 2
+    assert "week 99 has no notebook" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # only `notebook` passes options on
+        course.main(["peek", "rmsnorm", "--port", "8899"])
+    assert "unrecognized arguments: --port 8899" in capsys.readouterr().err
+    for path in NOTEBOOKS:
+        assert path in course.week_notebooks(int(path.name[4:6]))
+
+    # Without --dry-run: the same command, run in the repository root with the variable set.
+    if importlib.util.find_spec("jupyterlab") is None:
+        pytest.skip("JupyterLab is not installed: pip install -e '.[dev]'")
+    launched = {}
+
+    class FakePopen:  # stands in for the Jupyter server
+        def __init__(self, cmd, cwd, env):
+            launched.update(cmd=cmd, cwd=cwd, env=env)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(course.subprocess, "Popen", FakePopen)
+    assert course.main(["--workspace", str(ws), "notebook", "--week", "5"]) == 0
+    assert launched["cmd"] == [sys.executable, "-m", "jupyterlab", "notebooks/week05_engine.ipynb"]
+    assert launched["cwd"] == course.REPO_DIR
+    assert launched["env"][course.ENV_VAR] == str(ws.resolve())
+    assert launched["env"]["PATH"] == os.environ["PATH"]  # the rest of the environment is kept
+    out = capsys.readouterr().out
+    assert "Still stubs there, up to week 5: week05:" in out
