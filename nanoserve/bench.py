@@ -424,10 +424,8 @@ def bench_serving(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
-           "--port", str(args.port), "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
-    if args.device:
-        cmd += ["--device", args.device]
-    cmd += args.server_args.split()
+           "--port", str(args.port), "--log-level", "warning"]
+    cmd += _engine_options(args) + args.server_args.split()
     server = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         deadline = time.time() + 600
@@ -530,6 +528,20 @@ def _pair(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"expected 'LOW,HIGH' with 1 <= LOW <= HIGH, got {text!r}")
     return lo, hi
+
+
+def _engine_options(args: argparse.Namespace) -> list[str]:
+    """The engine options given to `bench`, as `nanoserve serve` options (serving runs a server)."""
+    out = []
+    for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
+                 "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "scheduler_policy"):
+        value = getattr(args, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    flags = [("--no-preemption", not args.preemption), ("--no-cuda-graphs", args.cuda_graphs is False),
+             ("--no-fused-decode", not args.fused_decode)]
+    return out + [flag for flag, on in flags if on]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -41,3 +41,21 @@ def test_bench_all_quick(tmp_path, capsys):
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
     for name in ("latency", "throughput", "serving"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_bench_serving_forwards_every_engine_option_to_the_server():
+    """`bench serving` starts `nanoserve serve`: the engine options given to bench must reach it."""
+    import argparse
+
+    from nanoserve.bench import _engine_options, add_arguments
+    from nanoserve.cli import build_parser
+    from nanoserve.engine import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["serving", "--block-size", "8", "--num-blocks", "99", "--kv-cache-memory", "0.5",
+                         "--max-num-seqs", "12", "--max-model-len", "300", "--dtype", "float32",
+                         "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-decode",
+                         "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
+    served = build_parser().parse_args(["serve", "--model", args.model] + _engine_options(args))
+    assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
