@@ -67,7 +67,6 @@ THRESHOLD = 0.30
 
 PENDING = {
     6: "week 6 (the Triton kernel) is being restructured; its lesson is rewritten after that",
-    8: "week 8 (continuous batching) is being restructured; its lesson is rewritten after that",
     12: "week 12 (CUDA graphs) is being restructured; its lesson is rewritten after that",
 }
 
