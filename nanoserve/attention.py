@@ -3,15 +3,21 @@
 The model never changes after week 2. What changes from week to week is the object handed to
 its forward pass as `ctx`, which answers one question for every layer:
 
-    ctx.attend(layer_idx, q, k, v) -> out
+    ctx.attend(layer_idx, q, k, v, cos, sin) -> out
         q:   [T, num_heads, head_dim]      the new tokens' queries (packed, all sequences)
         k,v: [T, num_kv_heads, head_dim]   the new tokens' keys and values
+        cos, sin: [T, head_dim]            each token's rotary tables (week 1)
         out: [T, num_heads, head_dim]
+
+The context first rotates q and k by their positions (RoPE), then keeps k and v wherever it
+keeps them, then attends. Rotation and storage belong together: a cache holds rotated keys,
+and on a GPU one kernel does both (week 12).
 
 - week 2, `PrefillContext`: no cache; each sequence attends causally to its own new tokens.
 - week 3, `nanoserve.cache.NaiveCacheContext`: keys/values also go to a per-sequence slab.
 - week 5, `nanoserve.cache.PagedContext`: keys/values live in a pool of fixed-size blocks.
-- week 6: the same paged context, with a Triton kernel doing the reading.
+- week 6: the same paged context, with a Triton kernel doing the reading
+  (`nanoserve.kernels.triton_backend.TritonPagedContext`).
 
 `causal_attention` below is the reference every one of them is checked against.
 """
@@ -22,9 +28,12 @@ from typing import Protocol
 
 import torch
 
+from nanoserve.layers import apply_rope
+
 
 class AttentionContext(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
         ...
 
 
@@ -70,7 +79,9 @@ class PrefillContext:
         """Row of each sequence's last token: the rows whose logits predict the next token."""
         return [end - 1 for end in self.cu_seqlens[1:]]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # >>> week02: prefill-context
         outs = []
         for start, end in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]):

@@ -16,10 +16,13 @@ PyTorch implementation here is the ground truth for week 6's Triton kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanoserve.attention import causal_attention
 from nanoserve.blocks import blocks_needed
+from nanoserve.layers import apply_rope
 
 # ------------------------------------------------------------------------ week 3: naive cache
 
@@ -56,7 +59,9 @@ class NaiveCacheContext:
     def last_token_indices(self) -> list[int]:
         return [end - 1 for end in self.cu_seqlens[1:]]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # >>> week03: naive-cache-attend
         outs = []
         for i, slot in enumerate(self.slots):
@@ -124,35 +129,74 @@ class PagedKVCache:
 # --------------------------------------------------------------- week 5: the paged context
 
 
-class PagedContext:
-    """Attention over the paged cache for one step of a packed batch.
+@dataclass
+class PagedAttentionMetadata:
+    """Where one step's tokens are, for N sequences and T new tokens in all, on the device.
 
-    For N sequences and T new tokens in total:
-      slot_mapping [T]         where each new token's K/V goes in the pool
-      query_start_loc [N + 1]  sequence i's new tokens are rows query_start_loc[i] : [i + 1]
-      context_lens [N]         tokens of sequence i in the cache after this step (past + new)
-      block_tables [N, max_blocks]  each sequence's physical blocks (padded with 0s)
-
-    A prefill step brings a whole prompt per sequence, a decode step one token per sequence;
-    the same code handles both, and any mix.
+    A sequence may bring any number of new tokens on top of what it has cached: a whole prompt,
+    one token (decode), or more (a chunk of a prompt, a speculative guess): the same data says it.
     """
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, query_start_loc: list[int],
-                 context_lens: list[int], block_tables: torch.Tensor):
-        self.cache = cache
-        self.slot_mapping = slot_mapping
-        self.query_start_loc = query_start_loc
-        self.context_lens = context_lens
-        self.block_tables = block_tables
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the pool
+    query_start_loc: torch.Tensor  # [N + 1] int32: sequence i's new tokens are rows [i] : [i + 1]
+    context_lens: torch.Tensor  # [N] int32: tokens of sequence i in the cache after this step (past + new)
+    block_tables: torch.Tensor  # [N, max_blocks] int32: each sequence's physical blocks, padded with 0s
+    max_query_len: int  # host-side bounds on the two above: kernels choose their launch shape from them
+    max_context_len: int
 
-    @property
-    def last_token_indices(self) -> list[int]:
-        return [end - 1 for end in self.query_start_loc[1:]]
+    @classmethod
+    def build(cls, slot_mapping: list[int], query_start_loc: list[int], context_lens: list[int],
+              block_tables: list[list[int]], device: str | torch.device = "cpu") -> "PagedAttentionMetadata":
+        """From plain lists (a `StepInput`'s) to tensors on `device`."""
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]  # padded: one rectangular tensor
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            max_context_len=max(context_lens),
+        )
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slot_mapping, k, v)
-        return paged_attention_reference(q, self.cache, layer_idx, self.query_start_loc,
-                                         self.context_lens, self.block_tables)
+
+class PagedContext:
+    """Attention over the paged cache for one step of a packed batch: rotate q and k, write the
+    new tokens' K/V into their slots (`write`), then attend over each sequence's cached K/V
+    (`read`). Prefill, decode and any mix of the two are the same code.
+
+    This class reads with the PyTorch reference below; week 6's `TritonPagedContext` replaces
+    only `read`. With `fused=True` (week 12) `write` is one Triton kernel.
+    """
+
+    def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, fused: bool = False):
+        self.cache, self.meta = cache, meta
+        self.rope_write_kv = None
+        if fused:
+            from nanoserve.kernels.fused import rope_write_kv
+
+            self.rope_write_kv = rope_write_kv
+        self._host_lists: tuple[list[int], list[int]] | None = None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        q = self.write(layer_idx, q, k, v, cos, sin)
+        return self.read(layer_idx, q)
+
+    def write(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k, store k and v at the step's slots; returns the rotated q."""
+        if self.rope_write_kv is not None:
+            return self.rope_write_kv(q, k, v, cos, sin, self.cache.k[layer_idx], self.cache.v[layer_idx],
+                                      self.meta.slot_mapping)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        return q
+
+    def read(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        if self._host_lists is None:  # once per step: the reference loops over sequences in Python
+            self._host_lists = (self.meta.query_start_loc.tolist(), self.meta.context_lens.tolist())
+        return paged_attention_reference(q, self.cache, layer_idx, *self._host_lists, self.meta.block_tables)
 
 
 def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer_idx: int,

@@ -11,7 +11,10 @@ recorded, so every tensor it touches must live at a fixed address with a fixed s
   padding rows write their K/V into a scratch block that no sequence owns;
 - the attention kernel's launch grid (its number of context splits) is fixed at capture time;
   the kernel cuts each sequence's own context into that many slices when it runs.
-Prefill steps, and batches larger than the largest size, run eagerly as before.
+What is captured is `Llama.forward` itself, over the Triton paged context built on those
+buffers (with the fused kernels of `nanoserve/kernels/fused.py` behind its modules): the graph
+runs the very code an eager step runs. Prefill steps, and batches larger than the largest size,
+run eagerly.
 
 Once the GPU work is one replay, the host work around it is what is left, so the inputs are
 staged without per-step allocation: host mirrors of the buffers (pinned, so the copies are
@@ -30,32 +33,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.cache import PagedKVCache
-from nanoserve.kernels.fused import fused_decode_forward
-from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
+from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model import Llama
 
 if TYPE_CHECKING:
     from nanoserve.runner import StepInput
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-class StaticDecodeContext:
-    """Decode-only paged attention reading its metadata from fixed buffers."""
-
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, max_context: int):
-        self.cache = cache
-        self.slot_mapping, self.block_tables, self.context_lens = slot_mapping, block_tables, context_lens
-        self.max_context = max_context
-        self.num_splits = choose_num_splits(len(slot_mapping), cache.k.shape[-2], max_context, slot_mapping.device)
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slot_mapping, k, v)
-        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        return paged_decode_attention(q, k_pool, v_pool, self.block_tables, self.context_lens,
-                                      self.max_context, num_splits=self.num_splits)
 
 
 def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
@@ -69,9 +53,10 @@ class CUDAGraphDecoder:
     """Captures one decode graph per batch size and replays it with fresh inputs."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int = 256, capture: bool | None = None, fused: bool = True):
+                 max_batch: int = 256, context_class: type[PagedContext] = PagedContext,
+                 capture: bool | None = None, fused: bool = True):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
-        self.fused = fused  # the fused-kernel forward pass of nanoserve/kernels/fused.py
+        self.context_class, self.fused = context_class, fused
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
         device = model.embed_tokens.weight.device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -85,6 +70,7 @@ class CUDAGraphDecoder:
         self.inputs[2] = self.scratch_slot
         self.inputs[3] = 1
         self.block_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
         self.tables_staging = torch.empty(n * self.max_blocks, dtype=torch.int32, device=device)
         # Host mirrors. Pinned memory lets the copies run asynchronously.
         pin = device.type == "cuda"
@@ -100,15 +86,12 @@ class CUDAGraphDecoder:
             self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
+        """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
         input_ids, positions, slots, context_lens = self.inputs[:, :bs]
-        tables = self.block_tables[:bs]
-        if self.fused:
-            num_splits = choose_num_splits(bs, self.cache.k.shape[-2], self.max_model_len, input_ids.device)
-            hidden = fused_decode_forward(self.model, input_ids, positions, self.cache, slots, tables,
-                                          context_lens, self.max_model_len, num_splits)
-        else:  # the model's own forward pass, attention through a context on the static buffers
-            ctx = StaticDecodeContext(self.cache, slots, tables, context_lens, self.max_model_len)
-            hidden = self.model(input_ids, positions, ctx)
+        meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[: bs + 1],
+                                      context_lens=context_lens, block_tables=self.block_tables[:bs],
+                                      max_query_len=1, max_context_len=self.max_model_len)
+        hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()

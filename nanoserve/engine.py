@@ -119,7 +119,7 @@ class EngineConfig:
     preemption: bool = True  # week 9
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
-    fused_decode: bool = True  # week 12's fused kernels inside the graphs
+    fused_kernels: bool = True  # week 12's fused kernels (with the Triton backend), in every step
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
 
     @staticmethod
@@ -149,8 +149,8 @@ class EngineConfig:
                        help="fail instead of preempting when the KV pool runs dry")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
-        p.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
-                       help="CUDA-graph decode steps without week 12's fused kernels")
+        p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                       help="run the PyTorch norms, RoPE and SwiGLU instead of week 12's fused kernels")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -161,7 +161,7 @@ class EngineConfig:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
-                   cuda_graphs=args.cuda_graphs, fused_decode=args.fused_decode,
+                   cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
 
@@ -183,7 +183,7 @@ class Engine:
         use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
             and self.attention_backend == "triton"
         runner_args = dict(attention_backend=self.attention_backend, cuda_graphs=use_graphs,
-                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs, fused_decode=c.fused_decode)
+                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs, fused_kernels=c.fused_kernels)
         self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,

@@ -23,14 +23,28 @@ from nanoserve.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 whatever the input dtype."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 whatever the input dtype.
+
+    Given a residual too, it first adds it: `norm(x, residual)` returns (rmsnorm(x + residual),
+    x + residual). Every norm of a decoder layer follows a residual add, and on a GPU (week 12)
+    `fused` holds a kernel that does both in one pass over the row.
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = None  # week 12: nanoserve.kernels.fused.add_rmsnorm, or None for the code below
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            return self.fused(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self.normalize(x), x
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         # >>> week01: rmsnorm
         dtype = x.dtype
         x = x.float()
@@ -126,15 +140,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]. The context rotates q and k (it knows where each
+        token's K/V go, and on a GPU rotates and stores them in one kernel)."""
         # >>> week02: attention
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
+        out = ctx.attend(self.layer_idx, q, k, v, cos, sin)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size))
         # <<< week02: attention
 
@@ -147,16 +161,25 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = None  # week 12: nanoserve.kernels.fused.silu_mul, or None for the code below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        if self.fused is not None:
+            return self.down_proj(self.fused(gate_up))
         # >>> week02: swiglu
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
         # <<< week02: swiglu
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream is handed from layer to layer in two parts, (x, residual), whose sum is
+    the stream: each add is left to the norm that follows it, which does add and norm at once
+    (one kernel on a GPU, week 12). The first layer gets residual None: x is the whole stream.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -165,8 +188,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] each -> (x, residual) of the stream after this layer."""
         # >>> week02: decoder-layer
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
         # <<< week02: decoder-layer

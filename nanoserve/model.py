@@ -43,11 +43,13 @@ class Llama(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
         if hidden_states_out is not None:
             hidden_states_out.append(x)
+        residual = None  # the stream is x + residual (see DecoderLayer)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx)
             if hidden_states_out is not None:
-                hidden_states_out.append(x)
-        return self.norm(x)
+                hidden_states_out.append(x + residual)
+        x, _ = self.norm(x, residual)
+        return x
         # <<< week02: model-forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ It is the only place where scheduling decisions (lists of sequences and token co
 tensors, and it owns everything on the device side of a step: the paged KV pool, and (week 12)
 the CUDA graphs with their scratch block. Each step goes through one plain description of it:
 
-    Batch --step_input()--> StepInput --prepare()--> tensors + attention context --> logits
-                                 (decode steps, week 12) --graphs.run()--> one graph replay --> logits
+    Batch --step_input()--> StepInput --prepare()--> tensors + attention context --Llama.forward--> logits
+                                 (decode steps, week 12) --graphs.run()--> one replay of Llama.forward --> logits
 
 `StepInput` holds lists of ints only, no `Sequence` and no tensor, so the eager path, the graph
 path (and, later, a worker process on another GPU) all consume the same thing:
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.blocks import blocks_needed, slot_of
-from nanoserve.cache import PagedContext, PagedKVCache
+from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model import Llama
 from nanoserve.scheduler import Batch
 
@@ -56,7 +56,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
-                 fused_decode: bool = True):
+                 fused_kernels: bool = True):
         self.model = model
         self.device = model.embed_tokens.weight.device
         cfg = model.config
@@ -66,16 +66,21 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
         self.context_class = PagedContext
+        # Week 12's fused kernels come with the Triton backend: behind the norms and MLPs of the
+        # model, and in the context's K/V write.
+        self.fused = fused_kernels and attention_backend == "triton"
         if attention_backend == "triton":  # week 6: same context interface, Triton inside
+            from nanoserve.kernels.fused import use_fused_kernels
             from nanoserve.kernels.triton_backend import TritonPagedContext
 
             self.context_class = TritonPagedContext
+            use_fused_kernels(model, self.fused)
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
             from nanoserve.cuda_graphs import CUDAGraphDecoder
 
             self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
-                                           fused=fused_decode)
+                                           self.context_class, fused=self.fused)
 
     @classmethod
     @torch.no_grad()
@@ -132,18 +137,12 @@ class ModelRunner:
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """StepInput -> (input_ids [T], positions [T], the attention context) on the device."""
-        width = max(len(t) for t in step.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]  # padded: one rectangular tensor
         dev = self.device
-        ctx = self.context_class(
-            self.cache,
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
-            query_start_loc=step.query_start_loc,
-            context_lens=step.context_lens,
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-        )
+        meta = PagedAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.context_lens,
+                                            step.block_tables, device=dev)
         return (torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-                torch.tensor(step.positions, dtype=torch.long, device=dev), ctx)
+                torch.tensor(step.positions, dtype=torch.long, device=dev),
+                self.context_class(self.cache, meta, fused=self.fused))
 
     @torch.no_grad()
     def execute(self, batch: Batch) -> torch.Tensor:

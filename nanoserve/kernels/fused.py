@@ -1,4 +1,4 @@
-"""Week 12: the decode step's small operations, fused into three Triton kernels.
+"""Week 12: a step's small operations, fused into three Triton kernels.
 
 Inside a CUDA graph a decode step of Llama-3.2-1B still runs about 600 kernels, and all but a
 hundred of them are tiny element-wise operations on a few kilobytes: RMSNorm alone is eight
@@ -9,17 +9,19 @@ a couple of microseconds however little it computes. Fused, a layer becomes:
     add_rmsnorm     residual += x;  h = rmsnorm(residual)          (1 kernel instead of 9)
     qkv_proj        matrix product
     rope_write_kv   rotate q and k, store k and v in the paged pool (1 instead of 12)
-    attention       the week-6 decode kernel (+ its merge)
+    attention       the week-6 paged-attention kernel (+ its merge)
     o_proj          matrix product
     add_rmsnorm
     gate_up_proj    matrix product
     silu_mul        silu(gate) * up                                 (1 instead of 2)
     down_proj       matrix product
 
-Each kernel rounds to the model's dtype at the same points as the PyTorch reference in
-`nanoserve/layers.py`, so bf16 results match it except for the order of a sum (float32 results
-match to rounding). `fused_decode_forward` is the model's forward pass for decode steps written
-with them; `nanoserve/model.py` stays the specification it is tested against.
+The kernels sit behind the modules they replace, so `Llama.forward` stays the one forward pass:
+`use_fused_kernels(model)` hands `add_rmsnorm` to every `RMSNorm` and `silu_mul` to every `MLP`
+of the model, and a paged context built with `fused=True` calls `rope_write_kv`. Decode steps
+(inside the CUDA graphs) and prefill steps run the same code. Each kernel rounds to the model's
+dtype at the same points as the PyTorch reference in `nanoserve/layers.py`, so bf16 results
+match it except for the order of a sum (float32 results match to rounding).
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.cache import PagedKVCache
-from nanoserve.kernels.paged_attention import paged_decode_attention
+from nanoserve.layers import MLP, RMSNorm
 from nanoserve.model import Llama
 
 
@@ -51,70 +52,74 @@ def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, n, eps,
     tl.store(Y + row * stride_y + cols, (y * w).to(Y.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(residual + x), residual + x); the sum is written into `residual` in place.
-
-    With residual None (the first layer): (rmsnorm(x), x).
-    """
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """`RMSNorm.forward` in one kernel: rmsnorm(x); with a residual, (rmsnorm(residual + x),
+    residual + x), the sum written into `residual` in place."""
     T, n = x.shape
     y = torch.empty_like(x)
     r = x if residual is None else residual
     _add_rmsnorm_kernel[(T,)](x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), n, eps,
                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
-    return y, r
+    return y if residual is None else (y, r)
 
 
 @triton.jit
-def _rope_write_kv_kernel(QKV, Cos, Sin, Q, K, V, Slots,
-                          stride_qkv, stride_cos, stride_q, stride_q_head, stride_k_slot, stride_v_slot,
+def _rope_write_kv_kernel(Qin, Kin, Vin, Cos, Sin, Qout, K, V, Slots,
+                          stride_qin, stride_qin_head, stride_kin, stride_kin_head, stride_vin, stride_vin_head,
+                          stride_cos, stride_q, stride_q_head, stride_k_slot, stride_v_slot,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HALF: tl.constexpr):  # HEAD_DIM // 2
     # >>> week12: rope-write-kv
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0 .. NUM_Q_HEADS - 1: a query head; then the KV heads
     d = tl.arange(0, HALF)
-    row = QKV + t * stride_qkv + head * HEAD_DIM  # q heads then k heads sit back to back in qkv
+    is_q = head < NUM_Q_HEADS
+    kv_head = head - NUM_Q_HEADS
+    if is_q:
+        row = Qin + t * stride_qin + head * stride_qin_head
+    else:
+        row = Kin + t * stride_kin + kv_head * stride_kin_head
     x1 = tl.load(row + d).to(tl.float32)
     x2 = tl.load(row + HALF + d).to(tl.float32)
     c1 = tl.load(Cos + t * stride_cos + d).to(tl.float32)
     c2 = tl.load(Cos + t * stride_cos + HALF + d).to(tl.float32)
     s1 = tl.load(Sin + t * stride_cos + d).to(tl.float32)
     s2 = tl.load(Sin + t * stride_cos + HALF + d).to(tl.float32)
-    dt = Q.dtype.element_ty
+    dt = Qout.dtype.element_ty
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1], rounded as the reference
     out1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     out2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    if head < NUM_Q_HEADS:
-        dst = Q + t * stride_q + head * stride_q_head
+    if is_q:
+        dst = Qout + t * stride_q + head * stride_q_head
         tl.store(dst + d, out1)
         tl.store(dst + HALF + d, out2)
     else:  # a KV head: the rotated key and the value go straight into the paged pool
-        kv_head = head - NUM_Q_HEADS
-        slot = tl.load(Slots + t)
+        slot = tl.load(Slots + t).to(tl.int64)
         dst = K + slot * stride_k_slot + kv_head * HEAD_DIM
         tl.store(dst + d, out1)
         tl.store(dst + HALF + d, out2)
         full = tl.arange(0, HEAD_DIM)
-        v = tl.load(QKV + t * stride_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full)
+        v = tl.load(Vin + t * stride_vin + kv_head * stride_vin_head + full)
         tl.store(V + slot * stride_v_slot + kv_head * HEAD_DIM + full, v)
     # <<< week12: rope-write-kv
 
 
-def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                  v_pool: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) * D] -> rotated q [T, Hq, D]; rotated k and v are stored at `slots`
-    of one layer's pool (k_pool, v_pool [num_blocks, block_size, Hkv, D])."""
-    T = qkv.shape[0]
-    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D], k and v [T, Hkv, D] (views of the qkv projection are fine) -> rotated q
+    [T, Hq, D]; rotated k and v are stored at `slots` of one layer's pool (k_pool, v_pool
+    [num_blocks, block_size, Hkv, D])."""
+    T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(T, num_heads, head_dim, dtype=q.dtype, device=q.device)
     k_flat, v_flat = k_pool.view(-1, num_kv_heads * head_dim), v_pool.view(-1, num_kv_heads * head_dim)
     _rope_write_kv_kernel[(T, num_heads + num_kv_heads)](
-        qkv, cos, sin, q, k_flat, v_flat, slots,
-        qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_flat.stride(0), v_flat.stride(0),
+        q, k, v, cos, sin, q_out, k_flat, v_flat, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), q_out.stride(0), q_out.stride(1), k_flat.stride(0), v_flat.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
     )
-    return q
+    return q_out
 
 
 @triton.jit
@@ -138,27 +143,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def fused_decode_forward(model: Llama, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                         slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         max_context: int, num_splits: int) -> torch.Tensor:
-    """`Llama.forward` for a decode step (one new token per sequence) with fused kernels.
-
-    Returns the final-normed hidden states [T, hidden], like the model's forward.
-    """
-    cfg = model.config
-    eps = cfg.rms_norm_eps
-    x = model.embed_tokens(input_ids)
-    cos, sin = model.rotary(positions, x.dtype)
-    residual = None
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        h, residual = add_rmsnorm(x, residual, layer.input_layernorm.weight, eps)
-        q = rope_write_kv(attn.qkv_proj(h), cos, sin, cache.k[i], cache.v[i], slots,
-                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        out = paged_decode_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, max_context,
-                                     num_splits=num_splits)
-        x = attn.o_proj(out.view(len(q), -1))
-        h, residual = add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
-        x = layer.mlp.down_proj(silu_mul(layer.mlp.gate_up_proj(h)))
-    h, _ = add_rmsnorm(x, residual, model.norm.weight, eps)
-    return h
+def use_fused_kernels(model: Llama, on: bool = True) -> None:
+    """Swap the fused kernels into (or, with on=False, out of) every norm and MLP of the model."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = add_rmsnorm if on else None
+        elif isinstance(module, MLP):
+            module.fused = silu_mul if on else None

@@ -1,23 +1,28 @@
-"""Week 6: a Triton kernel for decode attention over the paged KV cache.
+"""Week 6: one Triton kernel for attention over the paged KV cache, any number of new tokens.
 
-In a decode step every sequence brings one new query token, and that token must attend over all
-the keys and values the sequence has cached, wherever their blocks sit in the pool. The PyTorch
-reference (`nanoserve.cache.paged_attention_reference`) gathers each sequence's blocks into a
-contiguous copy first and then attends: two trips through memory, and one small kernel launch
-per sequence per layer. This kernel reads K and V exactly once, straight through the block table.
+Every step, each scheduled sequence brings some new query tokens and must attend over all the
+keys and values it has cached, wherever their blocks sit in the pool. A decode step brings one
+token per sequence; a prompt brings all of its tokens (their K/V were just written to the pool);
+later weeks bring a chunk of a long prompt, or the k + 1 tokens of a speculative guess, on top of
+a cached past. All of these are one computation: sequence i has `q_len` new tokens at the end of
+its `context_len` cached ones, and its new token j (at position context_len - q_len + j) may look
+at keys 0 .. context_len - q_len + j. This kernel does exactly that, reading K and V once,
+straight through the block table, where the PyTorch reference
+(`nanoserve.cache.paged_attention_reference`) first gathers a contiguous copy of each sequence.
 
-One program handles one (sequence, KV head, context split):
+One program handles one tile of query rows against one KV head: BLOCK_Q consecutive new tokens
+of one sequence times the GROUP query heads that share that KV head (grouped-query attention:
+the K/V tile is loaded once for all of them). For each tile of BLOCK_N cached tokens:
 
-    for each tile of BLOCK_N cached tokens in its split of the context:
-        physical slot of each token  = block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        K, V tile                      [BLOCK_N, D]   (read once, shared by the GROUP query heads)
-        scores = Q @ K^T * scale       [GROUP, BLOCK_N]
-        online softmax: keep a running max m, running sum l, and a rescaled accumulator acc
-    out = acc / l                      [GROUP, D]
+    physical slot of a token   = block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    K, V tile                    [BLOCK_N, D]
+    scores = Q @ K^T * scale     [BLOCK_Q * GROUP, BLOCK_N], causally masked
+    online softmax: keep a running max m, running sum l, and a rescaled accumulator acc
+    out = acc / l                [BLOCK_Q * GROUP, D]
 
-With few sequences the grid would be too small to fill the GPU, so the context can be split
-across programs (flash-decoding): each split writes its partial (acc, m, l) and a second small
-kernel merges them.
+A decode step uses BLOCK_Q = 1 (one program per sequence and KV head). With few sequences that
+grid is too small to fill the GPU, so the cached context can be split across programs
+(flash-decoding): each split writes its partial (acc, m, l) and a second small kernel merges them.
 """
 
 from __future__ import annotations
@@ -31,44 +36,76 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_decode_kernel(
-    Q, K, V, BlockTables, ContextLens, Out, PartialAcc, PartialM, PartialL,
-    stride_q_seq, stride_q_head,
+def _paged_attention_kernel(
+    Q, K, V, BlockTables, QueryStartLoc, ContextLens, Out, PartialAcc, PartialM, PartialL,
+    stride_q_tok, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_bt_seq,
-    stride_o_seq, stride_o_head,
+    stride_o_tok, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
-    num_splits,  # programs per (sequence, KV head), each taking one slice of the context
+    num_seqs,
+    num_splits,  # programs per tile of queries, each taking one slice of the context
     GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # GROUP padded to >= 16 (the smallest tile tl.dot takes)
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two (BLOCK_Q * GROUP_PAD >= 16, tl.dot's smallest tile)
+    BLOCK_Q: tl.constexpr,  # new tokens per program
+    DECODE: tl.constexpr,  # every sequence has one new token: program i is sequence i
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block in the pool
-    BLOCK_N: tl.constexpr,  # tokens per loop iteration (several blocks)
+    BLOCK_N: tl.constexpr,  # cached tokens per loop iteration (several blocks)
     SPLIT: tl.constexpr,  # write partials for the merge kernel instead of the output
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tensor cores otherwise
 ):
-    # >>> week06: decode-kernel
-    seq = tl.program_id(0)
+    # >>> week06: paged-attention-kernel
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Which sequence, and which of its query tiles? Sequence i's tiles are numbered from
+    # query_start_loc[i] // BLOCK_Q + i on (a bound that needs no table): find the last sequence
+    # whose first tile is <= this one.
+    if DECODE:
+        seq = tile
+    else:
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(QueryStartLoc + mid) // BLOCK_Q + mid <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+    first = 0 if DECODE else (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # the tile's first new token
+    if first >= q_len:
+        return  # a tile past the end of the sequence's tokens: nothing to do
     context_len = tl.load(ContextLens + seq)
-    partition = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N  # this sequence's slice
-    start = split * partition
-    end = tl.minimum(start + partition, context_len)
+    past = context_len - q_len  # tokens cached before this step
 
-    g = tl.arange(0, GROUP_PAD)
+    # Query rows: BLOCK_Q tokens x GROUP_PAD heads, token-major.
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = first + r // GROUP_PAD  # token index within the sequence's new tokens
+    g = r % GROUP_PAD
+    row_ok = (tok < q_len) & (g < GROUP)
+    q_pos = past + tok  # each row's position: it sees keys 0 .. q_pos
     d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g  # the query heads that share this KV head
-    q = tl.load(Q + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0)  # [GROUP_PAD, D]
+    heads = kv_head * GROUP + g
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_Q * GROUP_PAD, D]
 
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
-    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)  # running sum of exp(score - m) * v
+    # The keys this tile can see end at its last token's position; cut them into num_splits slices.
+    kv_end = tl.minimum(context_len, past + first + BLOCK_Q)
+    partition = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = split * partition
+    end = tl.minimum(start + partition, kv_end)
 
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)  # logical positions in the sequence
+    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
+    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)  # running sum of exp(score - m) * v
+
+    for kv_tile in range(start, end, BLOCK_N):
+        pos = kv_tile + tl.arange(0, BLOCK_N)  # logical positions in the sequence
         valid = pos < end
         block = tl.load(BlockTables + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=valid, other=0)
         block = block.to(tl.int64)  # block * stride can pass 2**31 in a large pool
@@ -77,39 +114,38 @@ def _paged_decode_kernel(
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + block[:, None] * stride_v_block + offset[:, None] * stride_v_slot
                     + kv_head * stride_v_head + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))  # causal
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)  # rescales what was accumulated under the old max
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)  # rescales what was accumulated under the old max
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    head_mask = g < GROUP
+    out_rows = (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head
     if not SPLIT:
-        out = acc / l[:, None]
-        tl.store(Out + seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(Out + out_rows + d[None, :], (acc / l[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # Partials laid out [seq, query head, split(, D)], contiguous.
-        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split
-        tl.store(PartialM + row, m, mask=head_mask)
-        tl.store(PartialL + row, l, mask=head_mask)
-        tl.store(PartialAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=head_mask[:, None])
-    # <<< week06: decode-kernel
+        # Partials laid out [token, query head, split(, D)], contiguous.
+        part = ((q_start + tok) * GROUP * tl.num_programs(1) + heads) * num_splits + split
+        tl.store(PartialM + part, m, mask=row_ok)
+        tl.store(PartialL + part, l, mask=row_ok)
+        tl.store(PartialAcc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    # <<< week06: paged-attention-kernel
 
 
 @triton.jit
 def _merge_splits_kernel(
-    PartialAcc, PartialM, PartialL, Out, stride_o_seq, stride_o_head, num_splits,
+    PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """Combine the splits of one (sequence, query head): rescale each to the common max."""
+    """Combine the splits of one (token, query head): rescale each to the common max."""
     # >>> week06: merge-splits
-    seq = tl.program_id(0)
+    tok = tl.program_id(0)
     head = tl.program_id(1)
-    row = (seq * tl.num_programs(1) + head) * num_splits
+    row = (tok * tl.num_programs(1) + head) * num_splits
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     in_range = s < num_splits
@@ -119,7 +155,7 @@ def _merge_splits_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # empty splits (past the context) weigh 0
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # [HEAD_DIM]
-    tl.store(Out + seq * stride_o_seq + head * stride_o_head + d, out.to(Out.dtype.element_ty))
+    tl.store(Out + tok * stride_o_tok + head * stride_o_head + d, out.to(Out.dtype.element_ty))
     # <<< week06: merge-splits
 
 
@@ -130,60 +166,79 @@ def _num_sm(device: torch.device) -> int:
     return 1
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, device: torch.device,
                       min_partition: int = 64) -> int:
     """Split the context only when the grid would otherwise leave the GPU idle.
 
     Measured on an H100 (docs/benchmarks.md): decode is fastest with about four programs per
     SM, and a split still pays off down to one 64-token tile per program.
     """
-    programs = num_seqs * num_kv_heads
+    programs = num_tiles * num_kv_heads
     want = round(4 * _num_sm(device) / programs)
     most = max(1, math.ceil(max_context / min_partition))
     return max(1, min(want, most))
 
 
-def paged_decode_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+@functools.lru_cache(maxsize=None)
+def launch_shape(group: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_Q, GROUP_PAD): tokens per program, and query heads per KV head padded.
+
+    A decode step (one token per sequence) gets one program per sequence and KV head; longer
+    queries take about 64 rows (tokens x heads) per program, a good tile for tensor cores.
+    """
+    group_pad = triton.next_power_of_2(group)
+    block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
+    return block_q, max(group_pad, triton.cdiv(16, block_q))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]: the new tokens of all sequences, packed
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]: one layer's pool
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
-    context_lens: torch.Tensor,  # [num_seqs] int
-    max_context: int,  # an upper bound on context_lens (host-side, to choose the number of splits)
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int: sequence i's tokens are rows [i] : [i + 1]
+    context_lens: torch.Tensor,  # [num_seqs] int: tokens in the cache after this step, new ones included
+    max_query_len: int,  # host-side bounds: they choose the launch shape, never read per sequence
+    max_context: int,
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Decode attention through block tables -> [num_seqs, num_heads, head_dim]."""
-    num_seqs, num_heads, head_dim = q.shape
+    """Causal attention of each sequence's new tokens over its paged K/V -> [T, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    decode = max_query_len == 1
+    block_q, group_pad = launch_shape(group, max_query_len)
+    # Tiles: exactly one per sequence for decode; otherwise an upper bound (see the kernel).
+    num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     out = torch.empty_like(q)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, max_context, q.device)
     block_n = max(16, min(block_n, triton.next_power_of_2(max_context)))
     if num_splits > 1:
-        partial_acc = torch.empty(num_seqs * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
-        partial_m = torch.empty(num_seqs * num_heads * num_splits, device=q.device, dtype=torch.float32)
+        partial_acc = torch.empty(num_tokens * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
+        partial_m = torch.empty(num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
         partial_l = torch.empty_like(partial_m)
     else:
         partial_acc = partial_m = partial_l = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial_acc, partial_m, partial_l,
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, partial_acc, partial_m, partial_l,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, num_seqs, num_splits,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DECODE=decode, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
+        _merge_splits_kernel[(num_tokens, num_heads)](
             partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
         )

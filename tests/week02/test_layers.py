@@ -122,5 +122,9 @@ def test_decoder_layer_matches_hf(kind):
     with torch.no_grad():
         expected = theirs(x[None], attention_mask=hf_causal_mask(T), position_embeddings=(hf_cos, hf_sin))
         expected = expected[0] if isinstance(expected, tuple) else expected
-        out = ours(x, *RotaryEmbedding(cfg)(positions, x.dtype), PrefillContext([T]))
-    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+        cos, sin = RotaryEmbedding(cfg)(positions, x.dtype)
+        out, residual = ours(x, None, cos, sin, PrefillContext([T]))  # the first layer: x is the whole stream
+        part = torch.randn_like(x)
+        out2, residual2 = ours(x - part, part, cos, sin, PrefillContext([T]))  # a stream handed over in two parts
+    torch.testing.assert_close(out + residual, expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out2 + residual2, expected[0], atol=1e-5, rtol=1e-5)

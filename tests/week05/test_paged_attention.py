@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.attention import causal_attention
 from nanoserve.blocks import blocks_needed, slot_of
-from nanoserve.cache import PagedContext, PagedKVCache
+from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
 
 
 def run_paged(seqs, block_size, heads, kv_heads, head_dim=16, num_blocks=256, seed=0):
@@ -33,12 +33,12 @@ def run_paged(seqs, block_size, heads, kv_heads, head_dim=16, num_blocks=256, se
     qsl = [0]
     for _, n in seqs:
         qsl.append(qsl[-1] + n)
-    width = max(map(len, tables))
-    ctx = PagedContext(cache, torch.tensor(slots), qsl, [c + n for c, n in seqs],
-                       torch.tensor([t + [0] * (width - len(t)) for t in tables]))
+    ctx = PagedContext(cache, PagedAttentionMetadata.build(slots, qsl, [c + n for c, n in seqs], tables))
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
-    out = ctx.attend(0, torch.cat(q), new_k, new_v)
+    T = qsl[-1]
+    no_rotation = torch.ones(T, head_dim), torch.zeros(T, head_dim)  # cos 1, sin 0: RoPE leaves q, k as they are
+    out = ctx.attend(0, torch.cat(q), new_k, new_v, *no_rotation)
     expected = torch.cat([causal_attention(qi, k, v, q_start=c) for qi, k, v, (c, _) in zip(q, full_k, full_v, seqs)])
     return out, expected
 

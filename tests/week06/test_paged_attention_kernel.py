@@ -1,8 +1,10 @@
-"""Week 6: the Triton decode kernel equals the PyTorch reference.
+"""Week 6: the Triton paged-attention kernel equals the PyTorch reference.
 
-On a machine without a GPU these run through Triton's interpreter (TRITON_INTERPRET=1, set in
-tests/conftest.py), so CI checks the kernel's logic; on a CUDA machine the same tests run the
-compiled kernel, and the bf16/fp16 cases run too.
+Every case is a batch of sequences, each with `past` tokens already cached and `new` tokens
+this step: decode (new = 1), fresh prompts (past = 0), and new tokens over a cached past (a chunk
+of a prompt, a speculative guess). On a machine without a GPU these run through Triton's
+interpreter (TRITON_INTERPRET=1, set in tests/conftest.py), so CI checks the kernel's logic; on
+a CUDA machine the same tests run the compiled kernel, and the bf16/fp16 cases run too.
 """
 
 import random
@@ -14,33 +16,34 @@ pytest.importorskip("triton", reason="week 6 needs the triton package: pip insta
 
 from nanoserve.blocks import blocks_needed  # noqa: E402
 from nanoserve.cache import PagedKVCache, paged_attention_reference  # noqa: E402
-from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+from nanoserve.kernels.paged_attention import choose_num_splits, launch_shape, paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_case(lens, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+def check(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, num_splits=None, atol=2e-5,
+          seed=0):
+    """seqs: (past, new) per sequence. The pool holds random K/V in shuffled, unordered blocks."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    lens = [past + new for past, new in seqs]
     num_blocks = sum(blocks_needed(n, block_size) for n in lens) + 5
     cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     cache.k.normal_()
     cache.v.normal_()
     free = list(range(num_blocks))
-    rng.shuffle(free)  # sequences own scattered, unordered blocks
+    rng.shuffle(free)
     tables = [[free.pop() for _ in range(blocks_needed(n, block_size))] for n in lens]
     width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
-    q = torch.randn(len(lens), num_heads, head_dim, dtype=dtype, device=DEVICE)
-    return q, cache, block_tables
-
-
-def check(lens, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, num_splits=None, atol=2e-5):
-    q, cache, tables = make_case(lens, block_size, num_heads, num_kv_heads, head_dim, dtype)
-    expected = paged_attention_reference(q.float(), _as_float(cache), 0, list(range(len(lens) + 1)), lens, tables)
-    out = paged_decode_attention(q, cache.k[0], cache.v[0], tables,
-                                 torch.tensor(lens, dtype=torch.int32, device=DEVICE), max(lens),
-                                 num_splits=num_splits)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    starts = [0]
+    for _, new in seqs:
+        starts.append(starts[-1] + new)
+    q = torch.randn(starts[-1], num_heads, head_dim, dtype=dtype, device=DEVICE)
+    expected = paged_attention_reference(q.float(), _as_float(cache), 0, starts, lens, block_tables)
+    out = paged_attention(q, cache.k[0], cache.v[0], block_tables, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                          torch.tensor(lens, dtype=torch.int32, device=DEVICE), max(n for _, n in seqs), max(lens),
+                          num_splits=num_splits)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
 
@@ -54,27 +57,50 @@ def _as_float(cache):
     return copy
 
 
+def decode(*lens):
+    return [(n - 1, 1) for n in lens]
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_grid_of_shapes(block_size, head_dim, group):
-    """Contexts of 1 token, around block boundaries, and a few blocks long, in one ragged batch."""
+def test_decode_grid_of_shapes(block_size, head_dim, group):
+    """One new token each; contexts of 1 token, around block boundaries, and a few blocks long."""
     b = block_size
-    lens = [1, b - 1, b, b + 1, 2 * b + 3, 97]
-    check(lens, block_size, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    check(decode(1, b - 1, b, b + 1, 2 * b + 3, 97), block_size, num_heads=2 * group, num_kv_heads=2,
+          head_dim=head_dim)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_long_and_short_mixed_with_context_splits(num_splits):
     """Flash-decoding: splitting a 2k context across programs changes nothing but speed."""
-    check([2048, 5, 1500, 16], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, num_splits=num_splits)
+    check(decode(2048, 5, 1500, 16), block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fresh_prompts(group):
+    """Prefill: nothing cached before, causal attention among the prompt's own tokens; lengths
+    below, at and above one tile of queries."""
+    check([(0, 1), (0, 15), (0, 16), (0, 17), (0, 70)], block_size=16, num_heads=2 * group, num_kv_heads=2,
+          head_dim=64)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 5])
+def test_new_tokens_over_a_cached_past(num_splits):
+    """Decode, a fresh prompt, a chunk over a long past, a 5-token guess over a short one, in one
+    launch: each new token sees the whole past and the new tokens up to itself."""
+    check([(40, 1), (0, 33), (300, 64), (7, 5), (15, 17)], block_size=16, num_heads=8, num_kv_heads=2,
+          head_dim=64, num_splits=num_splits)
 
 
 def test_llama_3_2_1b_heads_long_context():
-    check([2000, 777], block_size=16, num_heads=32, num_kv_heads=8, head_dim=64)
+    check(decode(2000, 777) + [(500, 20)], block_size=16, num_heads=32, num_kv_heads=8, head_dim=64)
 
 
-def test_split_heuristic():
+def test_launch_shape_and_split_heuristic():
+    assert launch_shape(4, 1) == (1, 16)  # decode: one token per program, heads padded to 16 rows
+    block_q, group_pad = launch_shape(4, 300)
+    assert block_q * group_pad == 64 and group_pad == 4
     assert choose_num_splits(256, 8, 2048, torch.device("cpu")) == 1
     assert choose_num_splits(1, 8, 100, torch.device("cpu")) == 1
     if DEVICE == "cuda":  # few sequences, long context: split to fill the GPU
@@ -85,12 +111,16 @@ def test_split_heuristic():
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_half_precision_on_gpu(dtype, atol, num_splits):
-    check([1, 16, 17, 300, 2048, 4097], block_size=16, num_heads=32, num_kv_heads=8, head_dim=64,
+    check(decode(1, 16, 17, 300, 2048, 4097), block_size=16, num_heads=32, num_kv_heads=8, head_dim=64,
+          dtype=dtype, num_splits=num_splits, atol=atol)
+    check([(0, 1000), (0, 17), (2000, 300), (50, 4)], block_size=16, num_heads=32, num_kv_heads=8, head_dim=64,
           dtype=dtype, num_splits=num_splits, atol=atol)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_many_sequences_on_gpu(block_size):
-    lens = [random.Random(i).randint(1, 3000) for i in range(64)]
-    check(lens, block_size, num_heads=32, num_kv_heads=8, head_dim=64)
+    rng = random.Random(block_size)
+    check(decode(*[rng.randint(1, 3000) for _ in range(64)]), block_size, num_heads=32, num_kv_heads=8, head_dim=64)
+    check([(rng.randint(0, 2000), rng.randint(1, 300)) for _ in range(32)], block_size, num_heads=32, num_kv_heads=8,
+          head_dim=64)

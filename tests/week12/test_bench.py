@@ -55,7 +55,7 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
     add_arguments(p)
     args = p.parse_args(["serving", "--block-size", "8", "--num-blocks", "99", "--kv-cache-memory", "0.5",
                          "--max-num-seqs", "12", "--max-model-len", "300", "--dtype", "float32",
-                         "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-decode",
+                         "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
     served = build_parser().parse_args(["serve", "--model", args.model] + _engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
