@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.attention import causal_attention
+from nanoserve.attention import PrefillContext, causal_attention
 from nanoserve.blocks import blocks_needed
 from nanoserve.layers import apply_rope
 
@@ -38,26 +38,21 @@ class NaiveKVCache:
         self.max_len = max_len
 
 
-class NaiveCacheContext:
+class NaiveCacheContext(PrefillContext):
     """One forward pass over a batch of sequences, each in its own cache slot.
 
     Sequence i owns slot `slots[i]`, already holds `cached_lens[i]` tokens, and brings
     `new_lens[i]` new tokens this step (the whole prompt at prefill, then 1 per decode step).
+    The packing of the new tokens (`cu_seqlens`, `last_token_indices`) is week 2's.
     """
 
     def __init__(self, cache: NaiveKVCache, slots: list[int], cached_lens: list[int], new_lens: list[int]):
+        super().__init__(new_lens)
         self.cache = cache
         self.slots, self.cached_lens, self.new_lens = slots, cached_lens, new_lens
-        self.cu_seqlens = [0]
-        for n in new_lens:
-            self.cu_seqlens.append(self.cu_seqlens[-1] + n)
         for start, n in zip(cached_lens, new_lens):
             if start + n > cache.max_len:
                 raise ValueError(f"sequence of {start + n} tokens does not fit the cache's {cache.max_len}")
-
-    @property
-    def last_token_indices(self) -> list[int]:
-        return [end - 1 for end in self.cu_seqlens[1:]]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:

@@ -117,9 +117,10 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
     scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
     preemption: bool = True  # week 9
+    enable_prefix_caching: bool = False  # week 14 (continuous policy): reuse the KV blocks of shared prefixes
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
-    fused_kernels: bool = True  # week 12's fused kernels (with the Triton backend), in every step
+    fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
 
     @staticmethod
@@ -147,10 +148,12 @@ class EngineConfig:
                        help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
         p.add_argument("--no-preemption", dest="preemption", action="store_false",
                        help="fail instead of preempting when the KV pool runs dry")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                       help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: off)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
-        p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
-                       help="run the PyTorch norms, RoPE and SwiGLU instead of week 12's fused kernels")
+        p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
+                       help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -161,6 +164,7 @@ class EngineConfig:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
+                   enable_prefix_caching=args.enable_prefix_caching,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
@@ -183,11 +187,13 @@ class Engine:
         use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
             and self.attention_backend == "triton"
         runner_args = dict(attention_backend=self.attention_backend, cuda_graphs=use_graphs,
-                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs, fused_kernels=c.fused_kernels)
+                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
+                           fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
         self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                   self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption)
+                                   self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
+                                   prefix_caching=c.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, **runner_args)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -253,6 +259,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
+        prefix caching is off."""
+        return self.scheduler.allocator.stats() if self.scheduler.prefix_caching else None
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
-                 fused_kernels: bool = True):
+                 fused_kernels: bool = False):
         self.model = model
         self.device = model.embed_tokens.weight.device
         cfg = model.config

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed
+from nanoserve.prefix_cache import PrefixCachingAllocator, block_hash
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_table_version: int = 0  # bumped when the table is given back: until then it only grows
     num_computed: int = 0  # tokens whose K/V are in the cache
+    block_hashes: list[bytes] = field(default_factory=list)  # week 14: names of its first full blocks
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
@@ -151,14 +153,20 @@ class Scheduler:
     preemption (week 9, continuous only): when a running sequence needs a block and none is
     free, the most recently admitted sequence gives its blocks back and waits at the front of
     the queue, to be recomputed later.
+    prefix caching (week 14, continuous only): a sequence being admitted starts from the blocks
+    of its prefix that the pool still holds, and only the rest of it is prefilled.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
-                 policy: str = "continuous", preemption: bool = True):
+                 policy: str = "continuous", preemption: bool = True, prefix_caching: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_caching = prefix_caching and policy == "continuous"
+        if self.prefix_caching:
+            self.allocator: BlockAllocator = PrefixCachingAllocator(num_blocks)
+        else:
+            self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -168,6 +176,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -196,7 +205,9 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        for block in seq.block_table:
+        # Last block first: with prefix caching the evictable list is least recently used first,
+        # so a sequence's tail goes before its head, which other prompts are likelier to share.
+        for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table = []
         seq.block_table_version += 1
@@ -208,6 +219,8 @@ class Scheduler:
             seq.block_table.append(self.allocator.allocate())
 
     def _admit(self, seq: Sequence, reserve_tokens: int) -> None:
+        if self.prefix_caching:
+            self.allocator.record_lookup(seq.num_tokens, seq.num_computed)
         self.waiting.remove(seq)
         self._grow_to(seq, reserve_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -217,10 +230,13 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         if self.policy == "admit-all":
-            return self._schedule_admit_all()
-        if self.policy == "static":
-            return self._schedule_static()
-        return self._schedule_continuous()
+            batch = self._schedule_admit_all()
+        elif self.policy == "static":
+            batch = self._schedule_static()
+        else:
+            batch = self._schedule_continuous()
+        self.num_scheduled_tokens += batch.num_scheduled_tokens
+        return batch
 
     def _schedule_admit_all(self) -> Batch:
         """Week 5: prefill every waiting request that fits, else decode every running one."""
@@ -276,10 +292,12 @@ class Scheduler:
         admitted: list[Sequence] = []
         while self.waiting and not preempted_now and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self._reuse_cached_prefix(seq)  # week 14: start past the blocks the pool still holds
             new_tokens = seq.num_tokens - seq.num_computed
             fits_budget = new_tokens <= budget or not (decoding or admitted)
-            fits_memory = blocks_needed(seq.num_tokens, self.block_size) <= self.allocator.num_free
+            fits_memory = blocks_needed(seq.num_tokens, self.block_size) - len(seq.block_table) <= self.allocator.num_free
             if not (fits_budget and fits_memory):
+                self._free_blocks(seq)  # it waits without holding anything
                 break  # FCFS: nobody overtakes the head of the queue
             self._admit(seq, seq.num_tokens)
             budget -= new_tokens
@@ -287,6 +305,36 @@ class Scheduler:
         seqs = decoding + admitted
         return Batch(seqs, [1] * len(decoding) + [s.num_tokens - s.num_computed for s in admitted])
         # <<< week08: continuous
+
+    # -- week 14: prefix caching -----------------------------------------------------------------
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Hand a waiting sequence the cached blocks of its longest cached prefix, and count them
+        as computed. Never the whole sequence: its last token must run to give logits."""
+        if not self.prefix_caching:
+            return
+        # >>> week14: reuse-prefix
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        seq.block_table = self.allocator.match(hashes)
+        seq.num_computed = len(seq.block_table) * self.block_size
+        # <<< week14: reuse-prefix
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of the sequence's first `num_blocks` full blocks (computed once, kept)."""
+        bs = self.block_size
+        while len(seq.block_hashes) < num_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return seq.block_hashes[:num_blocks]
+
+    def _cache_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+        """Name the blocks this step filled, so later prompts can reuse them."""
+        first, end = computed_before // self.block_size, seq.num_computed // self.block_size
+        if end > first:
+            hashes = self._block_hashes(seq, end)
+            for i in range(first, end):
+                self.allocator.register(seq.block_table[i], hashes[i])
 
     def _make_room(self, seq: Sequence) -> bool:
         """Give a running sequence a slot for its next token. False if it was preempted itself."""
@@ -337,6 +385,8 @@ class Scheduler:
             if seq.is_finished:  # aborted while its step was running
                 continue
             seq.num_computed += n
+            if self.prefix_caching:
+                self._cache_full_blocks(seq, seq.num_computed - n)
             for token in tokens:
                 seq.token_ids.append(token)
                 seq.token_times.append(now)

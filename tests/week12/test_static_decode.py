@@ -33,7 +33,8 @@ def checkpoint(tmp_path_factory):
 
 def make_llm(path, graphs: bool, num_blocks: int = 64) -> LLM:
     return LLM(str(path), device=DEVICE, dtype=torch.float32, attention_backend="triton", num_blocks=num_blocks,
-               block_size=4, max_num_seqs=8, max_model_len=128, cuda_graphs=graphs)
+               block_size=4, max_num_seqs=8, max_model_len=128, cuda_graphs=graphs,
+               fused_kernels=graphs)  # the graphs with week 12's kernels; the eager run without
 
 
 def test_stage_fills_the_buffers_and_pads(checkpoint):
