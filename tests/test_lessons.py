@@ -66,8 +66,6 @@ MIN_CHARS = 12
 THRESHOLD = 0.30
 
 PENDING = {
-    6: "week 6 (the Triton kernel) is being restructured; its lesson is rewritten after that",
-    12: "week 12 (CUDA graphs) is being restructured; its lesson is rewritten after that",
 }
 
 
