@@ -269,23 +269,39 @@ def _profile(engine, steps: int = 20) -> None:
     print(table.table(sort_by="cpu_time_total", row_limit=20))
 
 
+class _TokenClock:
+    """A `generate` streamer that only notes when each new token came out (the first `put` is
+    the prompt)."""
+
+    def __init__(self, device: str):
+        self.device, self.times, self.seen_prompt = device, [], False
+
+    def put(self, value) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def hf_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str) -> float:
+    """HF `generate`'s decode speed, measured as nanoserve's: (tokens - 1) / (first to last
+    token), the median of three runs after a warm-up."""
     hf = _hf_model(model_dir, dtype, device)
     ids = torch.tensor([prompt], device=device)
-    results = []
+    speeds = []
     with torch.no_grad():
-        for n in (2, new_tokens):  # time a 2-token run too, to subtract the prefill
-            for _ in range(2):
-                _sync(device)
-                start = time.perf_counter()
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-            results.append(elapsed)
+        for _ in range(4):
+            clock = _TokenClock(device)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
+            speeds.append((len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
     del hf
     _free_gpu()
-    return (new_tokens - 2) / (results[1] - results[0])
+    return statistics.median(speeds[1:])
 
 
 # --------------------------------------------------------------------------------- throughput
@@ -419,14 +435,21 @@ def bench_serving(args) -> dict:
 
     import httpx
 
+    from nanoserve.course import ENV_VAR, workspace_from_env
     from nanoserve.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(model_dir), "--served-model-name", "bench",
-           "--port", str(args.port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(Path(model_dir).resolve()),
+           "--served-model-name", "bench", "--port", str(args.port), "--log-level", "warning"]
     cmd += _engine_options(args) + args.server_args.split()
-    server = subprocess.Popen(cmd, env=os.environ.copy())
+    # `python -m` puts its working directory first on sys.path: run the server in the learner's
+    # workspace and it imports their nanoserve, whatever PYTHONPATH or the installed package say.
+    workspace = workspace_from_env()
+    served = f"{workspace / 'nanoserve'} ({ENV_VAR}={workspace})" if workspace else \
+        f"{Path(__file__).parent} (the reference: {ENV_VAR} is not set)"
+    print(f"serving the engine in {served}")
+    server = subprocess.Popen(cmd, env=os.environ.copy(), cwd=workspace)
     try:
         deadline = time.time() + 600
         while True:
@@ -540,14 +563,17 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
     flags = [("--no-preemption", not args.preemption), ("--no-cuda-graphs", args.cuda_graphs is False),
-             ("--no-fused-decode", not args.fused_decode)]
+             ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching)]
     return out + [flag for flag, on in flags if on]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from nanoserve import bench_prefix
+    from nanoserve.capstone import TRACKS
     from nanoserve.engine import EngineConfig
 
-    p.add_argument("what", choices=["latency", "throughput", "serving", "all"])
+    p.add_argument("what", choices=["latency", "throughput", "serving", "prefix", "all"],
+                   help="all: latency, throughput and serving; prefix: week 14's prefix-caching workloads")
     p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HuggingFace side-by-side runs")
@@ -565,16 +591,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-time-limit", type=float, default=None,
                    help="throughput: stop HF after this many seconds (its speed is then reported as a bound)")
     p.add_argument("--profile", action="store_true", help="latency, throughput: where the time of a decode step goes")
+    p.add_argument("--check", choices=sorted(TRACKS), default=None,
+                   help="serving: run a capstone track's workload and check its targets (weeks/capstone/README.md)")
+    bench_prefix.add_arguments(p)
     EngineConfig.add_arguments(p)  # the engine's own options: --model, --device, --max-num-seqs, ...
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanoserve import bench_prefix
+
     if args.quick:
-        for key, value in QUICK.items():
+        for key, value in (QUICK | bench_prefix.QUICK).items():
             setattr(args, key, value)
     args.prompt_range = args.output_range = tuple(args.lengths)
     args.serving_output_range = tuple(args.output_len)
+    if args.check:
+        from nanoserve.capstone import TRACKS, run_check
+
+        return run_check(args, TRACKS[args.check])
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
     for what in todo:
-        {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving}[what](args)
+        {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving,
+         "prefix": bench_prefix.bench_prefix}[what](args)
     return 0

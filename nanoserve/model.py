@@ -42,7 +42,7 @@ class Llama(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # [T, head_dim] each
         if hidden_states_out is not None:
-            hidden_states_out.append(x)
+            hidden_states_out.append(x.clone())  # a copy: a fused norm adds into x in place
         residual = None  # the stream is x + residual (see DecoderLayer)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)

@@ -75,6 +75,10 @@ class ModelRunner:
 
             self.context_class = TritonPagedContext
             use_fused_kernels(model, self.fused)
+            if self.device.type == "cuda":  # compile the kernel's variants now, not mid-serving
+                from nanoserve.kernels.paged_attention import warm_up
+
+                warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len)
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
             from nanoserve.cuda_graphs import CUDAGraphDecoder

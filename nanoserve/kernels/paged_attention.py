@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Triton compiles a kernel again for every new value of a constexpr, and for some properties of
+# plain integer arguments (equal to 1, divisible by 16). A compile takes the better part of a
+# second, so a variant first met in the middle of serving stalls every stream: the arguments
+# that change from step to step are not specialized on, and the merge always takes MAX_SPLITS.
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     Q, K, V, BlockTables, QueryStartLoc, ContextLens, Out, PartialAcc, PartialM, PartialL,
     stride_q_tok, stride_q_head,
@@ -136,7 +143,7 @@ def _paged_attention_kernel(
     # <<< week06: paged-attention-kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -176,7 +183,7 @@ def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, devic
     programs = num_tiles * num_kv_heads
     want = round(4 * _num_sm(device) / programs)
     most = max(1, math.ceil(max_context / min_partition))
-    return max(1, min(want, most))
+    return max(1, min(want, most, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,7 +224,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles, num_kv_heads, max_context, q.device)
-    block_n = max(16, min(block_n, triton.next_power_of_2(max_context)))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
     if num_splits > 1:
         partial_acc = torch.empty(num_tokens * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
         partial_m = torch.empty(num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
@@ -240,6 +248,20 @@ def paged_attention(
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1), num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim,
         )
     return out
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context: int) -> None:
+    """Compile the kernel's variants before the first request needs them: decode and new tokens
+    over a past (a prompt, a chunk), each with and without context splits."""
+    device, block_size = k_cache.device, k_cache.shape[1]
+    context = min(max_context, k_cache.shape[0] * block_size, 1024)
+    blocks = torch.arange(triton.cdiv(context, block_size), dtype=torch.int32, device=device)[None]
+    for new in (1, 16):
+        q = torch.zeros(new, num_heads, k_cache.shape[-1], dtype=k_cache.dtype, device=device)
+        starts = torch.tensor([0, new], dtype=torch.int32, device=device)
+        lens = torch.tensor([context], dtype=torch.int32, device=device)
+        for splits in (1, 2):
+            paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits)

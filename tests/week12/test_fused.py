@@ -96,8 +96,10 @@ def test_forward_with_fused_kernels_matches_the_model(tmp_path, past, new):
     with torch.no_grad():
         expected = model(ids, positions, PagedContext(caches[0], meta))
         use_fused_kernels(model)
-        got = model(ids, positions, PagedContext(caches[1], meta, fused=True))
+        states = []
+        got = model(ids, positions, PagedContext(caches[1], meta, fused=True), hidden_states_out=states)
         use_fused_kernels(model, on=False)
+        assert torch.equal(states[0], model.embed_tokens(ids))  # the fused norm's in-place add left it alone
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     for new_pool, ref in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):  # equal up to float32 rounding
         torch.testing.assert_close(new_pool, ref, rtol=1e-5, atol=1e-5)
