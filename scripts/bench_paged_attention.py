@@ -99,7 +99,7 @@ def kv_bytes(batch: int, context: int, itemsize: int) -> int:
 def main() -> None:
     from triton.testing import do_bench
 
-    from nanoserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
+    from nanoserve.kernels.paged_attention import choose_num_splits
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64,256")
@@ -141,7 +141,7 @@ def main() -> None:
             splits = choose_num_splits(batch, KV_HEADS, context, q.device)
 
             def run(num_splits=None):
-                return paged_decode_attention(q, k_cache, v_cache, tables, lens, context, num_splits=num_splits)
+                return decode(q, k_cache, v_cache, tables, lens, context, num_splits=num_splits)
 
             ms = graph_time_ms(run)
             ms_nosplit = graph_time_ms(lambda: run(1))
@@ -185,10 +185,16 @@ def main() -> None:
     print(f"wrote {out_dir / 'paged_attention.json'} and {out_dir / 'paged_attention.png'}")
 
 
+def decode(q, k_cache, v_cache, tables, lens, context, **launch):
+    """A decode step (one new token per sequence) through week 6's paged-attention kernel."""
+    from nanoserve.kernels.paged_attention import paged_attention
+
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, k_cache, v_cache, tables, starts, lens, 1, context, **launch)
+
+
 def sweep(peak: float, batch: int = 64, context: int = 2048) -> None:
     """Measure before deciding: the kernel's launch settings at one shape."""
-    from nanoserve.kernels.paged_attention import paged_decode_attention
-
     q, k_cache, v_cache, tables, lens = make_inputs(batch, context, torch.bfloat16)
     nbytes = kv_bytes(batch, context, q.element_size())
     print(f"sweep at batch {batch} x context {context}:")
@@ -197,7 +203,7 @@ def sweep(peak: float, batch: int = 64, context: int = 2048) -> None:
             for stages in (2, 3):
                 for splits in (1,):
                     try:
-                        ms = graph_time_ms(lambda: paged_decode_attention(
+                        ms = graph_time_ms(lambda: decode(
                             q, k_cache, v_cache, tables, lens, context, num_splits=splits,
                             block_n=block_n, num_warps=warps, num_stages=stages))
                     except Exception as e:
@@ -210,8 +216,6 @@ def sweep(peak: float, batch: int = 64, context: int = 2048) -> None:
 
 def split_sweep(peak: float) -> None:
     """How many context splits pay off, for the small batches where the grid is small."""
-    from nanoserve.kernels.paged_attention import paged_decode_attention
-
     print("context splits (flash-decoding):")
     for batch in (1, 4, 16, 32):
         for context in (512, 2048, 8192):
@@ -221,7 +225,7 @@ def split_sweep(peak: float) -> None:
             for splits in (1, 2, 4, 8, 16, 32, 64):
                 if context / splits < 64:
                     continue
-                ms = graph_time_ms(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, context,
+                ms = graph_time_ms(lambda: decode(q, k_cache, v_cache, tables, lens, context,
                                                                   num_splits=splits))
                 cells.append(f"{splits}:{ms * 1e3:.1f}us/{100 * nbytes / (ms * 1e-3) / 1e9 / peak:.0f}%")
             print(f"  batch {batch:>3} ctx {context:>5}  " + "  ".join(cells), flush=True)
