@@ -66,7 +66,6 @@ MIN_CHARS = 12
 THRESHOLD = 0.30
 
 PENDING = {
-    6: "week 6 (the Triton kernel) is being restructured; its lesson is rewritten after that",
 }
 
 
