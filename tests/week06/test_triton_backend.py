@@ -30,7 +30,7 @@ def test_engine_with_triton_backend_matches_hf(tmp_path):
     path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config(num_hidden_layers=2))
     hf = hf.to(DEVICE)
     llm = LLM(str(path), device=DEVICE, dtype=torch.float32, attention_backend="triton", scheduler_policy="admit-all",
-              num_blocks=64, block_size=16)
+              num_blocks=64, block_size=16, fused_kernels=False)  # week 6 alone: week 12's kernels are tested there
     assert llm.engine.attention_backend == "triton"
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 60)]
