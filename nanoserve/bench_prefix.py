@@ -132,9 +132,10 @@ def bench_prefix(args) -> dict:
     vocab = _vocab(model_dir)
     base = replace(EngineConfig.from_args(args), model=model_dir, scheduler_policy="continuous")
     rows = []
-    for workload in WORKLOADS:
-        for caching in (False, True):
-            rows.append(measure(replace(base, enable_prefix_caching=caching), workload, args, vocab))
+    order = (True, False) if args.caching_first else (False, True)
+    for workload in args.workloads.split(","):
+        pair = {c: measure(replace(base, enable_prefix_caching=c), workload, args, vocab) for c in order}
+        rows += [pair[False], pair[True]]
     for on, off in zip(rows[1::2], rows[::2]):
         on["prefill_saving"] = off["prefilled_tokens"] / max(1, on["prefilled_tokens"])
         on["ttft_p50_speedup"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
@@ -173,6 +174,9 @@ def add_arguments(p) -> None:
     g.add_argument("--conversations", type=int, default=32, help="prefix: multi-turn conversations")
     g.add_argument("--turns", type=int, default=5, help="prefix: turns per conversation")
     g.add_argument("--first-len", type=_pair, default=(200, 800), help="prefix: first message lengths LOW,HIGH")
+    g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix: which workloads, comma-separated")
+    g.add_argument("--caching-first", action="store_true",
+                   help="prefix: run each workload with caching on first, then off (default: off first)")
 
 
 QUICK = dict(num_systems=2, per_system=3, system_len=(20, 40), question_len=(2, 8), prefix_output_len=(4, 8),

@@ -331,15 +331,14 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence, computed_before: int) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
         first, end = computed_before // self.block_size, seq.num_computed // self.block_size
-        if end > first:
-            hashes = self._block_hashes(seq, end)
-            for i in range(first, end):
-                self.allocator.register(seq.block_table[i], hashes[i])
+        hashes = self._block_hashes(seq, end)
+        for i in range(first, end):
+            self.allocator.register(seq.block_table[i], hashes[i])
 
     def _make_room(self, seq: Sequence) -> bool:
         """Give a running sequence a slot for its next token. False if it was preempted itself."""
         needed = blocks_needed(seq.num_tokens, self.block_size) - len(seq.block_table)
-        if needed > self.allocator.num_free:
+        if needed > 0 and needed > self.allocator.num_free:
             if not self.preemption:
                 raise OutOfBlocks(
                     "the KV pool is full and preemption is off: enable it, give the engine more "
@@ -385,8 +384,8 @@ class Scheduler:
             if seq.is_finished:  # aborted while its step was running
                 continue
             seq.num_computed += n
-            if self.prefix_caching:
-                self._cache_full_blocks(seq, seq.num_computed - n)
+            if self.prefix_caching and seq.num_computed // self.block_size > (seq.num_computed - n) // self.block_size:
+                self._cache_full_blocks(seq, seq.num_computed - n)  # this step filled a block
             for token in tokens:
                 seq.token_ids.append(token)
                 seq.token_times.append(now)
