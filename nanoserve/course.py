@@ -193,6 +193,20 @@ def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
     return count
 
 
+def workspace_from_env() -> Path | None:
+    """The workspace NANOSERVE_WORKSPACE names, resolved (None when the variable is not set).
+
+    Raises FileNotFoundError if it holds no `nanoserve/` package."""
+    value = os.environ.get(ENV_VAR)
+    if not value:
+        return None
+    workspace = Path(value).expanduser().resolve()
+    if not (workspace / "nanoserve" / "__init__.py").is_file():
+        raise FileNotFoundError(f"{ENV_VAR}={value} holds no nanoserve/ package: run `nanoserve course start "
+                                "--week N` first, or unset the variable to use the reference")
+    return workspace
+
+
 def peek(name: str) -> str:
     """The reference solution of one exercise ('rmsnorm' or 'week01:rmsnorm')."""
     matches = [e for e in all_exercises() if name in (e.name, e.key, e.key.replace(":", ": "))]
