@@ -16,7 +16,9 @@ The workloads (random token ids; EOS ignored, so every request produces exactly 
   of a step that does nothing but read every weight once at the measured copy bandwidth.
 - throughput: --num-requests requests, prompt and output lengths uniform in --prompt-len and
   --output-len ([100, 1024] each by default), all submitted at once.
-- serving: `nanoserve serve` in its own process; streaming requests with exponential gaps.
+- serving: `nanoserve serve` in its own process (in the workspace NANOSERVE_WORKSPACE names, if
+  set, so that it imports the learner's package); streaming requests with exponential gaps.
+  `--check capstone-cpu` fixes the workload and checks the capstone's targets (nanoserve/capstone.py).
 """
 
 from __future__ import annotations
@@ -563,7 +565,8 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
     flags = [("--no-preemption", not args.preemption), ("--no-cuda-graphs", args.cuda_graphs is False),
-             ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching)]
+             ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching),
+             ("--enable-chunked-prefill", args.enable_chunked_prefill)]
     return out + [flag for flag, on in flags if on]
 
 

@@ -118,6 +118,7 @@ class EngineConfig:
     scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
     preemption: bool = True  # week 9
     enable_prefix_caching: bool = False  # week 14 (continuous policy): reuse the KV blocks of shared prefixes
+    enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
@@ -150,6 +151,8 @@ class EngineConfig:
                        help="fail instead of preempting when the KV pool runs dry")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: off)")
+        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+                       help="decodes first, then prompts cut to fit --max-num-batched-tokens (week 15; default: off)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
@@ -164,7 +167,7 @@ class EngineConfig:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
-                   enable_prefix_caching=args.enable_prefix_caching,
+                   enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
@@ -193,7 +196,7 @@ class Engine:
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
-                                   prefix_caching=c.enable_prefix_caching)
+                                   prefix_caching=c.enable_prefix_caching, chunked_prefill=c.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, **runner_args)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

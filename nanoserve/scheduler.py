@@ -155,14 +155,19 @@ class Scheduler:
     the queue, to be recomputed later.
     prefix caching (week 14, continuous only): a sequence being admitted starts from the blocks
     of its prefix that the pool still holds, and only the rest of it is prefilled.
+    chunked prefill (week 15, continuous only): the step's token budget goes to the running
+    decodes first; what is left goes to prompts, cut into chunks where they do not fit, so a
+    long prompt never stalls the streams that are already decoding.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
-                 policy: str = "continuous", preemption: bool = True, prefix_caching: bool = False):
+                 policy: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
+                 chunked_prefill: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.prefix_caching = prefix_caching and policy == "continuous"
+        self.chunked_prefill = chunked_prefill and policy == "continuous"
         if self.prefix_caching:
             self.allocator: BlockAllocator = PrefixCachingAllocator(num_blocks)
         else:
@@ -177,6 +182,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
+        self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -233,6 +239,8 @@ class Scheduler:
             batch = self._schedule_admit_all()
         elif self.policy == "static":
             batch = self._schedule_static()
+        elif self.chunked_prefill:
+            batch = self._schedule_chunked()
         else:
             batch = self._schedule_continuous()
         self.num_scheduled_tokens += batch.num_scheduled_tokens
@@ -335,9 +343,54 @@ class Scheduler:
         for i in range(first, end):
             self.allocator.register(seq.block_table[i], hashes[i])
 
-    def _make_room(self, seq: Sequence) -> bool:
-        """Give a running sequence a slot for its next token. False if it was preempted itself."""
-        needed = blocks_needed(seq.num_tokens, self.block_size) - len(seq.block_table)
+    def _schedule_chunked(self) -> Batch:
+        """Week 15: decodes first, then prompts (the unfinished ones, then new ones) in chunks,
+        all within the token budget. A prompt samples its first token after its last chunk."""
+        # >>> week15: chunked
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        running = [s for s in self.running if s.num_tokens - s.num_computed == 1]  # decodes first
+        running += [s for s in self.running if s.num_tokens - s.num_computed > 1]  # then prompts under way
+        for seq in running:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:
+                break  # the budget is spent: the rest runs next step
+            if self._make_room(seq, seq.num_computed + n):
+                seqs.append(seq)
+                num_new.append(n)
+                budget -= n
+        preempted_now = self.num_preemptions > preemptions_before  # memory is tight: admit no one
+        while self.waiting and not preempted_now and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._reuse_cached_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed
+            n = min(remaining, budget)
+            too_small = seqs and n < min(remaining, self.min_chunk)  # a sliver costs more than it moves
+            fits_memory = blocks_needed(seq.num_computed + n, self.block_size) - len(seq.block_table) \
+                <= self.allocator.num_free
+            if too_small or not fits_memory:
+                self._free_blocks(seq)
+                break  # FCFS: nobody overtakes the head of the queue
+            self._admit(seq, seq.num_computed + n)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        # Preempted after it was scheduled (a prompt under way needed its blocks): not this step.
+        kept = [(s, n) for s, n in zip(seqs, num_new) if s.status is SequenceStatus.RUNNING]
+        # A sequence samples only once its last prompt token has run: 1 row, or 0 for a partial chunk.
+        return Batch([s for s, _ in kept], [n for _, n in kept],
+                     [int(s.num_computed + n == s.num_tokens) for s, n in kept])
+        # <<< week15: chunked
+
+    def _make_room(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Give a running sequence room for `num_tokens` tokens (default: all it has, so the next
+        one fits). False if it was preempted itself."""
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        needed = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)
         if needed > 0 and needed > self.allocator.num_free:
             if not self.preemption:
                 raise OutOfBlocks(
@@ -346,7 +399,7 @@ class Scheduler:
                 )
             if not self._preempt_until_fits(seq, needed):
                 return False
-        self._grow_to(seq, seq.num_tokens)
+        self._grow_to(seq, num_tokens)
         return True
 
     def _preempt_until_fits(self, seq: Sequence, needed: int) -> bool:
