@@ -16,14 +16,14 @@ and on a GPU one kernel does both (week 12).
 - week 2, `PrefillContext`: no cache; each sequence attends causally to its own new tokens.
 - week 3, `nanoserve.cache.NaiveCacheContext`: keys/values also go to a per-sequence slab.
 - week 5, `nanoserve.cache.PagedContext`: keys/values live in a pool of fixed-size blocks.
-- week 6: the same paged context, with a Triton kernel doing the reading
-  (`nanoserve.kernels.triton_backend.TritonPagedContext`).
+- week 6, `nanoserve.kernels.triton_backend.TritonPagedContext`: the same, read by a Triton kernel.
 
 `causal_attention` below is the reference every one of them is checked against.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -70,9 +70,7 @@ class PrefillContext:
 
     def __init__(self, seq_lens: list[int]):
         self.seq_lens = list(seq_lens)
-        self.cu_seqlens = [0]
-        for n in self.seq_lens:
-            self.cu_seqlens.append(self.cu_seqlens[-1] + n)
+        self.cu_seqlens = [0, *accumulate(self.seq_lens)]  # running totals: where each sequence starts
 
     @property
     def last_token_indices(self) -> list[int]:

@@ -9,9 +9,8 @@ of blocks (its *block table*) and grows one block at a time, so it wastes at mos
 filled block. Which sequence owns which block is bookkeeping, kept apart from the tensors in
 `nanoserve/blocks.py` (the `BlockAllocator`, slot arithmetic); this file holds the pool itself.
 
-Week 5, `PagedContext`: the attention context that writes each new token's K/V into its slot
-of the pool and reads every sequence's keys and values back through its block table. Its
-PyTorch implementation here is the ground truth for week 6's Triton kernel.
+Week 5, `PagedContext`: the attention context over that pool, for any mix of prompts and
+decode tokens. Its PyTorch `read` is the ground truth for week 6's Triton kernel.
 """
 
 from __future__ import annotations
@@ -126,11 +125,8 @@ class PagedKVCache:
 
 @dataclass
 class PagedAttentionMetadata:
-    """Where one step's tokens are, for N sequences and T new tokens in all, on the device.
-
-    A sequence may bring any number of new tokens on top of what it has cached: a whole prompt,
-    one token (decode), or more (a chunk of a prompt, a speculative guess): the same data says it.
-    """
+    """Where one step's tokens are, for N sequences and T new tokens in all, on the device. A
+    sequence may bring any number of new tokens over its cached past: the same data says it."""
 
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the pool
     query_start_loc: torch.Tensor  # [N + 1] int32: sequence i's new tokens are rows [i] : [i + 1]
@@ -158,10 +154,8 @@ class PagedAttentionMetadata:
 class PagedContext:
     """Attention over the paged cache for one step of a packed batch: rotate q and k, write the
     new tokens' K/V into their slots (`write`), then attend over each sequence's cached K/V
-    (`read`). Prefill, decode and any mix of the two are the same code.
-
-    This class reads with the PyTorch reference below; week 6's `TritonPagedContext` replaces
-    only `read`. With `fused=True` (week 12) `write` is one Triton kernel.
+    (`read`, here the PyTorch reference below; week 6's `TritonPagedContext` replaces only it).
+    Prefill, decode and any mix are the same code. With `fused=True` (week 12) `write` is one kernel.
     """
 
     def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, fused: bool = False):
@@ -194,9 +188,8 @@ class PagedContext:
         return paged_attention_reference(q, self.cache, layer_idx, *self._host_lists, self.meta.block_tables)
 
 
-def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer_idx: int,
-                              query_start_loc: list[int], context_lens: list[int],
-                              block_tables: torch.Tensor) -> torch.Tensor:
+def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer_idx: int, query_start_loc: list[int],
+                              context_lens: list[int], block_tables: torch.Tensor) -> torch.Tensor:
     """The PyTorch reference: gather each sequence's K/V through its block table, then attend.
 
     q [T, Hq, D] -> [T, Hq, D]. A sequence with `n` new tokens and `L` cached tokens in all has

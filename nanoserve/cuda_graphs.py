@@ -12,16 +12,14 @@ recorded, so every tensor it touches must live at a fixed address with a fixed s
 - the attention kernel's launch grid (its number of context splits) is fixed at capture time;
   the kernel cuts each sequence's own context into that many slices when it runs.
 What is captured is `Llama.forward` itself, over the Triton paged context built on those
-buffers (with the fused kernels of `nanoserve/kernels/fused.py` behind its modules): the graph
-runs the very code an eager step runs. Prefill steps, and batches larger than the largest size,
-run eagerly.
+buffers (with the fused kernels behind its modules): the graph runs the very code an eager step
+runs. Prefill steps, and batches larger than the largest size, run eagerly.
 
-Once the GPU work is one replay, the host work around it is what is left, so the inputs are
-staged without per-step allocation: host mirrors of the buffers (pinned, so the copies are
-asynchronous), filled from the step's `StepInput` (plain lists: the graph code never sees a
-scheduler `Sequence`) with plain Python and NumPy, and sent with one copy for
-the four per-sequence inputs and one for the block tables. A block-table row is rewritten only
-when its sequence or its number of blocks changed (once every `block_size` steps per sequence).
+Once the GPU work is one replay, the host work around it is what is left, so the step's
+`StepInput` is staged without per-step allocation: into pinned host mirrors of the buffers (the
+copies are then asynchronous) with plain Python and NumPy, sent with one copy for the four
+per-sequence inputs and one for the block tables. A block-table row is rewritten only when its
+sequence or its number of blocks changed (once every `block_size` steps per sequence).
 
 Without a GPU (`capture=False`), the same buffers feed an eager forward pass: the padding and
 the bookkeeping behave identically, which is how the CPU tests check them.
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanoserve.blocks import blocks_needed
 from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model import Llama
 
@@ -52,20 +51,17 @@ def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
 class CUDAGraphDecoder:
     """Captures one decode graph per batch size and replays it with fresh inputs."""
 
-    def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int = 256, context_class: type[PagedContext] = PagedContext,
-                 capture: bool | None = None, fused: bool = True):
+    def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int, max_batch: int,
+                 context_class: type[PagedContext], fused: bool, capture: bool | None = None):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.context_class, self.fused = context_class, fused
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
         device = model.embed_tokens.weight.device
         self.capture = device.type == "cuda" if capture is None else capture
         n = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // cache.block_size)
-        self.scratch_block = scratch_block
+        self.max_blocks = blocks_needed(max_model_len, cache.block_size)
         self.scratch_slot = scratch_block * cache.block_size
-        # Device buffers at fixed addresses: the graphs read them. inputs rows: token ids,
-        # positions, slots, context lengths.
+        # Device buffers at fixed addresses, read by the graphs. inputs: ids, positions, slots, context lengths.
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
         self.inputs[2] = self.scratch_slot
         self.inputs[3] = 1
@@ -76,9 +72,7 @@ class CUDAGraphDecoder:
         pin = device.type == "cuda"
         self.host_inputs = self.inputs.cpu().pin_memory() if pin else self.inputs.clone()
         self.host_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32).numpy()
-        self.host_compact = torch.empty(n * self.max_blocks, dtype=torch.int32)
-        if pin:
-            self.host_compact = self.host_compact.pin_memory()
+        self.host_compact = torch.empty(n * self.max_blocks, dtype=torch.int32, pin_memory=pin)
         self.row_owner: list[tuple | None] = [None] * n  # which table each host row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -144,9 +138,7 @@ class CUDAGraphDecoder:
     def run(self, step: StepInput) -> torch.Tensor:
         """One decode step (one new token per sequence) -> logits [n, vocab]."""
         bs = self.stage(step)
-        if self.capture:
-            self.graphs[bs].replay()
-            logits = self.logits[bs]
-        else:
-            logits = self._forward(bs)
-        return logits[: step.num_seqs]
+        if not self.capture:
+            return self._forward(bs)[: step.num_seqs]
+        self.graphs[bs].replay()
+        return self.logits[bs][: step.num_seqs]

@@ -75,9 +75,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     # In between, interpolate from "divided by factor" (smooth=0) to "unchanged" (smooth=1).
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)
@@ -125,23 +123,19 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection (one matrix multiply instead of three); the
     loader fills its rows from the checkpoint's separate q_proj / k_proj / v_proj tensors.
-    The attention itself is done by the context, which knows where each sequence starts, and
-    (from week 3 on) where its cached keys and values live.
+    Rotating q and k, keeping k and v, and attending are the context's job (`nanoserve/attention.py`).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. The context rotates q and k (it knows where each
-        token's K/V go, and on a GPU rotates and stores them in one kernel)."""
+        """x [T, hidden] -> [T, hidden]."""
         # >>> week02: attention
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -177,8 +171,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
     The residual stream is handed from layer to layer in two parts, (x, residual), whose sum is
-    the stream: each add is left to the norm that follows it, which does add and norm at once
-    (one kernel on a GPU, week 12). The first layer gets residual None: x is the whole stream.
+    the stream: each add is left to the norm that follows it (see `RMSNorm`). The first layer
+    gets residual None: x is the whole stream.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int):

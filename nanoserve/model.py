@@ -25,13 +25,8 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx,
-        hidden_states_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                hidden_states_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] (packed tokens of all sequences) -> hidden states [T, hidden].
 
         The result is after the final norm; `compute_logits` turns the rows you need into logits.

@@ -8,14 +8,9 @@ the CUDA graphs with their scratch block. Each step goes through one plain descr
                                  (decode steps, week 12) --graphs.run()--> one replay of Llama.forward --> logits
 
 `StepInput` holds lists of ints only, no `Sequence` and no tensor, so the eager path, the graph
-path (and, later, a worker process on another GPU) all consume the same thing:
-
-    input_ids, positions [T]    the new tokens of every scheduled sequence, back to back
-    slot_mapping [T]            where each new token's K/V goes in the block pool
-    query_start_loc [N + 1]     where each sequence's tokens start in the packed batch
-    context_lens [N]            each sequence's length once this step is done
-    block_tables [N][...]       each sequence's physical blocks
-    sample_rows                 the packed rows whose logits are sampled, in order
+path (and, later, a worker process on another GPU) all consume the same thing: the new tokens of
+every scheduled sequence back to back (ids, positions), the lists behind `PagedAttentionMetadata`
+(under the same names), and the packed rows whose logits are sampled.
 """
 
 from __future__ import annotations
@@ -66,18 +61,16 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
         self.context_class = PagedContext
-        # Week 12's fused kernels come with the Triton backend: behind the norms and MLPs of the
-        # model, and in the context's K/V write.
+        # Week 12's fused kernels (behind the norms and MLPs, and in the K/V write) need the Triton backend.
         self.fused = fused_kernels and attention_backend == "triton"
         if attention_backend == "triton":  # week 6: same context interface, Triton inside
             from nanoserve.kernels.fused import use_fused_kernels
+            from nanoserve.kernels.paged_attention import warm_up
             from nanoserve.kernels.triton_backend import TritonPagedContext
 
             self.context_class = TritonPagedContext
             use_fused_kernels(model, self.fused)
             if self.device.type == "cuda":  # compile the kernel's variants now, not mid-serving
-                from nanoserve.kernels.paged_attention import warm_up
-
                 warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len)
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
@@ -141,11 +134,10 @@ class ModelRunner:
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """StepInput -> (input_ids [T], positions [T], the attention context) on the device."""
-        dev = self.device
         meta = PagedAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.context_lens,
-                                            step.block_tables, device=dev)
-        return (torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-                torch.tensor(step.positions, dtype=torch.long, device=dev),
+                                            step.block_tables, device=self.device)
+        return (torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(step.positions, dtype=torch.long, device=self.device),
                 self.context_class(self.cache, meta, fused=self.fused))
 
     @torch.no_grad()

@@ -18,10 +18,9 @@ a couple of microseconds however little it computes. Fused, a layer becomes:
 
 The kernels sit behind the modules they replace, so `Llama.forward` stays the one forward pass:
 `use_fused_kernels(model)` hands `add_rmsnorm` to every `RMSNorm` and `silu_mul` to every `MLP`
-of the model, and a paged context built with `fused=True` calls `rope_write_kv`. Decode steps
-(inside the CUDA graphs) and prefill steps run the same code. Each kernel rounds to the model's
-dtype at the same points as the PyTorch reference in `nanoserve/layers.py`, so bf16 results
-match it except for the order of a sum (float32 results match to rounding).
+of the model, and a paged context built with `fused=True` calls `rope_write_kv`, in decode and
+prefill steps alike. Each kernel rounds to the model's dtype at the same points as the PyTorch
+reference in `nanoserve/layers.py`, so bf16 results match it except for the order of a sum.
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ def _add_rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, n, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # residual <- residual + x, rounded to the dtype as `x + attn(...)` is
-        x = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32))
-        x = x.to(Y.dtype.element_ty)
+    if HAS_RESIDUAL:  # residual <- residual + x, one add in the dtype, as the reference's `x + residual`
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(R + row * stride_r + cols, x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
@@ -66,41 +64,32 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 @triton.jit
 def _rope_write_kv_kernel(Qin, Kin, Vin, Cos, Sin, Qout, K, V, Slots,
                           stride_qin, stride_qin_head, stride_kin, stride_kin_head, stride_vin, stride_vin_head,
-                          stride_cos, stride_q, stride_q_head, stride_k_slot, stride_v_slot,
-                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HALF: tl.constexpr):  # HEAD_DIM // 2
+                          stride_cos, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr):  # HALF = HEAD_DIM // 2
     # >>> week12: rope-write-kv
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0 .. NUM_Q_HEADS - 1: a query head; then the KV heads
-    d = tl.arange(0, HALF)
-    is_q = head < NUM_Q_HEADS
     kv_head = head - NUM_Q_HEADS
-    if is_q:
-        row = Qin + t * stride_qin + head * stride_qin_head
-    else:
-        row = Kin + t * stride_kin + kv_head * stride_kin_head
-    x1 = tl.load(row + d).to(tl.float32)
-    x2 = tl.load(row + HALF + d).to(tl.float32)
-    c1 = tl.load(Cos + t * stride_cos + d).to(tl.float32)
-    c2 = tl.load(Cos + t * stride_cos + HALF + d).to(tl.float32)
-    s1 = tl.load(Sin + t * stride_cos + d).to(tl.float32)
-    s2 = tl.load(Sin + t * stride_cos + HALF + d).to(tl.float32)
+    slot = tl.load(Slots + t).to(tl.int64)  # int64: slot * row width can pass 2**31
+    if head < NUM_Q_HEADS:
+        src = Qin + t * stride_qin + head * stride_qin_head
+        dst = Qout + (t * NUM_Q_HEADS + head) * HEAD_DIM
+    else:  # a KV head: the rotated key goes straight into the paged pool
+        src = Kin + t * stride_kin + kv_head * stride_kin_head
+        dst = K + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+    d = tl.arange(0, HALF)
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    c = tl.load(Cos + t * stride_cos + d).to(tl.float32)  # the tables' two halves are equal
+    s = tl.load(Sin + t * stride_cos + d).to(tl.float32)
     dt = Qout.dtype.element_ty
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1], rounded as the reference
-    out1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    out2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    if is_q:
-        dst = Qout + t * stride_q + head * stride_q_head
-        tl.store(dst + d, out1)
-        tl.store(dst + HALF + d, out2)
-    else:  # a KV head: the rotated key and the value go straight into the paged pool
-        slot = tl.load(Slots + t).to(tl.int64)
-        dst = K + slot * stride_k_slot + kv_head * HEAD_DIM
-        tl.store(dst + d, out1)
-        tl.store(dst + HALF + d, out2)
+    tl.store(dst + d, ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt))
+    tl.store(dst + HALF + d, ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt))
+    if head >= NUM_Q_HEADS:  # and the value, unrotated, to the same place in V
         full = tl.arange(0, HEAD_DIM)
         v = tl.load(Vin + t * stride_vin + kv_head * stride_vin_head + full)
-        tl.store(V + slot * stride_v_slot + kv_head * HEAD_DIM + full, v)
+        tl.store(V + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + full, v)
     # <<< week12: rope-write-kv
 
 
@@ -108,15 +97,13 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] (views of the qkv projection are fine) -> rotated q
     [T, Hq, D]; rotated k and v are stored at `slots` of one layer's pool (k_pool, v_pool
-    [num_blocks, block_size, Hkv, D])."""
+    [num_blocks, block_size, Hkv, D], contiguous: slot s is row s of Hkv * D values)."""
     T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    q_out = torch.empty(T, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    k_flat, v_flat = k_pool.view(-1, num_kv_heads * head_dim), v_pool.view(-1, num_kv_heads * head_dim)
+    q_out = q.new_empty(T, num_heads, head_dim)  # contiguous
     _rope_write_kv_kernel[(T, num_heads + num_kv_heads)](
-        q, k, v, cos, sin, q_out, k_flat, v_flat, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), q_out.stride(0), q_out.stride(1), k_flat.stride(0), v_flat.stride(0),
+        q, k, v, cos, sin, q_out, k_pool, v_pool, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
     )
     return q_out
@@ -135,11 +122,9 @@ def _silu_mul_kernel(GU, Y, stride_gu, stride_y, n, BLOCK: tl.constexpr):
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
-    T, two_n = gate_up.shape
-    n = two_n // 2
-    y = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=block)
+    T, n = gate_up.shape[0], gate_up.shape[1] // 2
+    y = gate_up.new_empty(T, n)
+    _silu_mul_kernel[(T, triton.cdiv(n, 1024))](gate_up, y, gate_up.stride(0), y.stride(0), n, BLOCK=1024)
     return y
 
 

@@ -1,14 +1,13 @@
 """Week 6: one Triton kernel for attention over the paged KV cache, any number of new tokens.
 
-Every step, each scheduled sequence brings some new query tokens and must attend over all the
-keys and values it has cached, wherever their blocks sit in the pool. A decode step brings one
-token per sequence; a prompt brings all of its tokens (their K/V were just written to the pool);
-later weeks bring a chunk of a long prompt, or the k + 1 tokens of a speculative guess, on top of
-a cached past. All of these are one computation: sequence i has `q_len` new tokens at the end of
-its `context_len` cached ones, and its new token j (at position context_len - q_len + j) may look
-at keys 0 .. context_len - q_len + j. This kernel does exactly that, reading K and V once,
-straight through the block table, where the PyTorch reference
-(`nanoserve.cache.paged_attention_reference`) first gathers a contiguous copy of each sequence.
+Every step, each scheduled sequence brings new query tokens that attend over all the keys and
+values it has cached, wherever their blocks sit in the pool: one token in a decode step, a whole
+prompt (its K/V just written), and in later weeks a chunk of a prompt or the k + 1 tokens of a
+speculative guess over a cached past. All are one computation: sequence i has `q_len` new tokens
+at the end of its `context_len` cached ones, and its new token j, at position
+p = context_len - q_len + j, may look at keys 0 .. p. The kernel reads K and V once, straight
+through the block table, where the PyTorch reference (`nanoserve.cache.paged_attention_reference`)
+first gathers a contiguous copy of each sequence.
 
 One program handles one tile of query rows against one KV head: BLOCK_Q consecutive new tokens
 of one sequence times the GROUP query heads that share that KV head (grouped-query attention:
@@ -35,24 +34,19 @@ import triton
 import triton.language as tl
 
 
-# Triton compiles a kernel again for every new value of a constexpr, and for some properties of
-# plain integer arguments (equal to 1, divisible by 16). A compile takes the better part of a
-# second, so a variant first met in the middle of serving stalls every stream: the arguments
-# that change from step to step are not specialized on, and the merge always takes MAX_SPLITS.
+# Triton compiles a kernel again for every new constexpr value and for some properties of integer
+# arguments (equal to 1, divisible by 16), in most of a second: a variant first met mid-serving stalls
+# every stream. So arguments that change per step are not specialized on; the merge takes MAX_SPLITS.
 MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     Q, K, V, BlockTables, QueryStartLoc, ContextLens, Out, PartialAcc, PartialM, PartialL,
-    stride_q_tok, stride_q_head,
-    stride_k_block, stride_k_slot, stride_k_head,
-    stride_v_block, stride_v_slot, stride_v_head,
-    stride_bt_seq,
-    stride_o_tok, stride_o_head,
+    stride_q_tok, stride_q_head, stride_k_block, stride_k_slot, stride_k_head,  # V is laid out as K
+    stride_bt_seq, stride_o_tok, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
-    num_seqs,
-    num_splits,  # programs per tile of queries, each taking one slice of the context
+    num_seqs, num_splits,  # num_splits: programs per tile of queries, each taking one slice of the context
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two (BLOCK_Q * GROUP_PAD >= 16, tl.dot's smallest tile)
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -70,11 +64,9 @@ def _paged_attention_kernel(
     # Which sequence, and which of its query tiles? Sequence i's tiles are numbered from
     # query_start_loc[i] // BLOCK_Q + i on (a bound that needs no table): find the last sequence
     # whose first tile is <= this one.
-    if DECODE:
-        seq = tile
-    else:
-        lo = 0
-        hi = num_seqs - 1
+    seq = tile  # DECODE: program i is sequence i
+    if not DECODE:
+        lo, hi = 0, num_seqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if tl.load(QueryStartLoc + mid) // BLOCK_Q + mid <= tile:
@@ -117,10 +109,12 @@ def _paged_attention_kernel(
         block = tl.load(BlockTables + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=valid, other=0)
         block = block.to(tl.int64)  # block * stride can pass 2**31 in a large pool
         offset = pos % BLOCK_SIZE
+        # The same address for K and V, written out in full in each load: an offset tensor shared
+        # by both made large decode batches up to 20% slower on an H100.
         k = tl.load(K + block[:, None] * stride_k_block + offset[:, None] * stride_k_slot
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(V + block[:, None] * stride_v_block + offset[:, None] * stride_v_slot
-                    + kv_head * stride_v_head + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + block[:, None] * stride_k_block + offset[:, None] * stride_k_slot
+                    + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))  # causal
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -134,8 +128,7 @@ def _paged_attention_kernel(
     out_rows = (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head
     if not SPLIT:
         tl.store(Out + out_rows + d[None, :], (acc / l[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        # Partials laid out [token, query head, split(, D)], contiguous.
+    else:  # partials laid out [token, query head, split(, D)], contiguous
         part = ((q_start + tok) * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(PartialM + part, m, mask=row_ok)
         tl.store(PartialL + part, l, mask=row_ok)
@@ -144,10 +137,8 @@ def _paged_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
+def _merge_splits_kernel(PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Combine the splits of one (token, query head): rescale each to the common max."""
     # >>> week06: merge-splits
     tok = tl.program_id(0)
@@ -168,31 +159,24 @@ def _merge_splits_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _num_sm(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, device: torch.device,
-                      min_partition: int = 64) -> int:
-    """Split the context only when the grid would otherwise leave the GPU idle.
-
-    Measured on an H100 (docs/benchmarks.md): decode is fastest with about four programs per
-    SM, and a split still pays off down to one 64-token tile per program.
-    """
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split the context only when the grid would otherwise leave the GPU idle. Measured on an
+    H100 (docs/benchmarks.md): decode is fastest with about four programs per SM, and a split
+    still pays off down to one 64-token tile per program."""
     programs = num_tiles * num_kv_heads
     want = round(4 * _num_sm(device) / programs)
-    most = max(1, math.ceil(max_context / min_partition))
+    most = max(1, math.ceil(max_context / 64))
     return max(1, min(want, most, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
 def launch_shape(group: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_Q, GROUP_PAD): tokens per program, and query heads per KV head padded.
-
-    A decode step (one token per sequence) gets one program per sequence and KV head; longer
-    queries take about 64 rows (tokens x heads) per program, a good tile for tensor cores.
-    """
+    """(BLOCK_Q, GROUP_PAD): tokens per program, and query heads per KV head padded. A decode step
+    (one token per sequence) gets one program per sequence and KV head; longer queries take about
+    64 rows (tokens x heads) per program, a good tile for tensor cores."""
     group_pad = triton.next_power_of_2(group)
     block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
     return block_q, max(group_pad, triton.cdiv(16, block_q))
@@ -201,16 +185,12 @@ def launch_shape(group: int, max_query_len: int) -> tuple[int, int]:
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]: the new tokens of all sequences, packed
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]: one layer's pool
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor,  # the same shape and strides
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int: sequence i's tokens are rows [i] : [i + 1]
     context_lens: torch.Tensor,  # [num_seqs] int: tokens in the cache after this step, new ones included
-    max_query_len: int,  # host-side bounds: they choose the launch shape, never read per sequence
-    max_context: int,
-    num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    max_query_len: int, max_context: int,  # host-side bounds: they choose the launch shape, never read per sequence
+    num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,  # tuning
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V -> [T, num_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -226,30 +206,23 @@ def paged_attention(
         num_splits = choose_num_splits(num_tiles, num_kv_heads, max_context, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
+    partial_acc = partial_m = partial_l = out  # unused without splits
     if num_splits > 1:
         partial_acc = torch.empty(num_tokens * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
-        partial_m = torch.empty(num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
-        partial_l = torch.empty_like(partial_m)
-    else:
-        partial_acc = partial_m = partial_l = out  # unused
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        partial_m, partial_l = torch.empty(2, num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, partial_acc, partial_m, partial_l,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, num_seqs, num_splits,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DECODE=decode, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1), num_splits,
-            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim,
-        )
+            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim)
     return out
 
 

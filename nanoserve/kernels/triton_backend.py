@@ -1,11 +1,9 @@
 """Week 6: the paged attention context with Triton doing the reading.
 
-Same interface, same cache and same K/V write as `nanoserve.cache.PagedContext`; only `read`
-differs: one launch of the kernel in `paged_attention.py` attends for every sequence of the
-step, whatever number of new tokens each brings (a decode step's one, a prompt's many), reading
-K/V straight through the block tables. The metadata it needs is on the device already, and its
-launch shape depends only on host-side bounds, so the same context also runs inside a CUDA graph
-(week 12).
+Same cache and same K/V write as `nanoserve.cache.PagedContext`; only `read` differs: one launch
+of the kernel in `paged_attention.py` attends for every sequence of the step, whatever number of
+new tokens each brings. Its metadata is on the device already and its launch shape depends only
+on host-side bounds, so the same context also runs inside a CUDA graph (week 12).
 """
 
 from __future__ import annotations
