@@ -1,8 +1,10 @@
 """A discrete-event simulator of the engine loop: queueing, without a model.
 
 Requests arrive at random (a Poisson process), wait in a queue, run for as many steps as they
-have output tokens, and leave. Each engine step takes a fixed time (plus a cost per prompt token
-prefilled in it). This is enough to see the two regimes every server lives in:
+have output tokens, and leave. Each engine step takes a fixed time, plus a cost per prompt token
+prefilled in it: a step's time grows with the prompt tokens it carries, as on a real GPU, where a
+decode step is bound by reading the weights and a prefill by its arithmetic. This is enough to
+see the two regimes every server lives in:
 
 - *stable*: requests arrive slower than the engine can finish them; the queue stays short and
   time-to-first-token is about one step;
@@ -11,6 +13,10 @@ prefilled in it). This is enough to see the two regimes every server lives in:
 The scheduling decisions are the real ones: the simulator drives nanoserve's own `Scheduler`
 (static or continuous batching, its limits, its FCFS order) with a fake model that returns one
 token per sequence per step; only the clock is simulated.
+
+With `chunked_prefill` (week 15) the scheduler gives each step's token budget to the decodes
+first and cuts prompts to fit the rest: steps get shorter, and the gaps between a request's
+tokens (`SimResult.itls`) with them, at the price of a later first token for long prompts.
 
 The engine can finish at most `max_running / (mean_output_tokens * step_time)` requests per
 second: that is the line between the two. Little's law (L = lambda * W: the mean number of
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.blocks import blocks_needed
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.scheduler import Batch, Scheduler, Sequence
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -44,6 +50,7 @@ class SimConfig:
     num_requests: int = 500
     policy: str = "continuous"  # or "static"
     max_num_batched_tokens: int = 1 << 30  # the scheduler's token budget per step (default: none)
+    chunked_prefill: bool = False  # week 15: decodes first, prompts cut to fit the budget
     block_size: int = 16
     num_blocks: int | None = None  # KV pool; default: room for max_running of the longest requests
     seed: int = 0
@@ -63,6 +70,7 @@ class SimRequest:
     first_token: float | None = None
     finish: float | None = None
     generated: int = 0
+    token_times: list[float] = field(default_factory=list)  # when each output token came out
 
 
 @dataclass
@@ -74,6 +82,11 @@ class SimResult:
     @property
     def ttfts(self) -> list[float]:
         return [r.first_token - r.arrival for r in self.requests]
+
+    @property
+    def itls(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive tokens of each request, all together."""
+        return [b - a for r in self.requests for a, b in zip(r.token_times, r.token_times[1:])]
 
     @property
     def latencies(self) -> list[float]:
@@ -101,6 +114,13 @@ class SimResult:
         return area / (self.timeline[-1][0] - self.timeline[0][0])
 
 
+def prefill_tokens(batch: Batch) -> int:
+    """The tokens of a step that are not decodes: whole prompts, prompt chunks (week 15) and the
+    tokens a preempted sequence recomputes. A decode runs the one token sampled in the step before."""
+    return sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens)
+               if not (n == 1 and seq.num_output_tokens and seq.num_computed == seq.num_tokens - 1))
+
+
 def simulate(cfg: SimConfig) -> SimResult:
     rng = random.Random(cfg.seed)
     t, arrivals = 0.0, []
@@ -112,7 +132,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     num_blocks = cfg.num_blocks or cfg.max_running * blocks_needed(longest, cfg.block_size)
     scheduler = Scheduler(num_blocks, cfg.block_size, max_num_seqs=cfg.max_running,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
-                          policy=cfg.policy)
+                          policy=cfg.policy, chunked_prefill=cfg.chunked_prefill)
     result = SimResult(arrivals)
     request_of: dict[int, SimRequest] = {}
     now, next_arrival, done = 0.0, 0, 0
@@ -129,11 +149,11 @@ def simulate(cfg: SimConfig) -> SimResult:
             continue
         batch = scheduler.schedule()
         result.timeline.append((now, len(scheduler.waiting), len(scheduler.running)))
-        prefilled = sum(n for n in batch.num_new_tokens if n > 1)
-        now += cfg.step_time + cfg.prefill_time_per_token * prefilled
+        now += cfg.step_time + cfg.prefill_time_per_token * prefill_tokens(batch)
         scheduler.update(batch, [[0] * n for n in batch.num_samples])  # the fake model's tokens
         for seq in batch.seqs:
             r = request_of[seq.seq_id]
+            r.token_times += [now] * (seq.num_output_tokens - r.generated)
             r.generated = seq.num_output_tokens
             if r.first_token is None and r.generated:
                 r.first_token = now
