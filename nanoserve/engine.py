@@ -16,6 +16,7 @@ import argparse
 import itertools
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -197,6 +198,10 @@ class Engine:
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
                                    prefix_caching=c.enable_prefix_caching, chunked_prefill=c.enable_chunked_prefill)
+        if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
+            warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
+                          "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
+                          "make no progress; raise --max-num-batched-tokens or lower --max-num-seqs", stacklevel=2)
         self.runner = ModelRunner(self.model, num_blocks, c.block_size, **runner_args)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

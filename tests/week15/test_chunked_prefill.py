@@ -223,3 +223,10 @@ def test_mixed_steps_on_the_triton_backend(ckpt):
     for prompt, out in zip(ps, outs):
         ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out == ref[0, len(prompt):].tolist()
+
+
+def test_a_budget_below_the_seat_count_warns(ckpt):
+    path, _ = ckpt
+    with pytest.warns(UserWarning, match="raise --max-num-batched-tokens or lower --max-num-seqs"):
+        LLM(str(path), dtype=torch.float32, device="cpu", num_blocks=16, enable_chunked_prefill=True,
+            max_num_batched_tokens=8, max_num_seqs=16)
