@@ -132,11 +132,11 @@ def bench_prefix(args) -> dict:
     vocab = _vocab(model_dir)
     base = replace(EngineConfig.from_args(args), model=model_dir, scheduler_policy="continuous")
     rows = []
-    order = (True, False) if args.caching_first else (False, True)
+    order = {"both": (True, False) if args.caching_first else (False, True), "on": (True,), "off": (False,)}
     for workload in args.workloads.split(","):
-        pair = {c: measure(replace(base, enable_prefix_caching=c), workload, args, vocab) for c in order}
-        rows += [pair[False], pair[True]]
-    for on, off in zip(rows[1::2], rows[::2]):
+        pair = {c: measure(replace(base, enable_prefix_caching=c), workload, args, vocab) for c in order[args.caching]}
+        rows += [pair[c] for c in (False, True) if c in pair]
+    for on, off in zip(rows[1::2], rows[::2]) if args.caching == "both" else ():
         on["prefill_saving"] = off["prefilled_tokens"] / max(1, on["prefilled_tokens"])
         on["ttft_p50_speedup"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
         on["throughput_vs_off"] = on["output_tok_s"] / off["output_tok_s"]
@@ -177,6 +177,9 @@ def add_arguments(p) -> None:
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix: which workloads, comma-separated")
     g.add_argument("--caching-first", action="store_true",
                    help="prefix: run each workload with caching on first, then off (default: off first)")
+    g.add_argument("--caching", choices=["both", "on", "off"], default="both",
+                   help="prefix: one engine per workload only (on or off), to compare in separate processes: two "
+                        "engines built one after the other in one process do not run at the same speed")
 
 
 QUICK = dict(num_systems=2, per_system=3, system_len=(20, 40), question_len=(2, 8), prefix_output_len=(4, 8),

@@ -20,3 +20,11 @@ def test_bench_prefix_quick(tmp_path):
     # Random prompts share nothing: the same tokens are prefilled either way.
     assert rows["random", True]["prefilled_tokens"] == rows["random", False]["prefilled_tokens"]
     assert (tmp_path / "prefix_caching.png").stat().st_size > 0
+
+
+def test_bench_prefix_one_side_only(tmp_path):
+    """--caching on|off builds one engine per workload, so the two sides can run in separate processes."""
+    assert main(["bench", "prefix", "--quick", "--device", "cpu", "--workloads", "random", "--caching", "on",
+                 "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "prefix_caching.json").read_text())["rows"]
+    assert row["workload"] == "random" and row["caching"] is True and "throughput_vs_off" not in row
