@@ -55,8 +55,8 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(o.token_ids) for o in outs)
         assert out_tokens == sum(p.max_tokens for p in params)
-        row = dict(config=name, policy=policy, max_num_seqs=max_seqs, kv_blocks=eng.cache.num_blocks,
-                   block_size=eng.cache.block_size, output_tokens=out_tokens,
+        row = dict(config=name, policy=policy, max_num_seqs=max_seqs, kv_blocks=eng.runner.cache.num_blocks,
+                   block_size=eng.runner.cache.block_size, output_tokens=out_tokens,
                    prompt_tokens=sum(map(len, prompts)), seconds=elapsed, output_tok_s=out_tokens / elapsed,
                    steps=eng.num_steps - steps0, preemptions=eng.scheduler.num_preemptions - pre0,
                    backend=eng.attention_backend, dtype=str(eng.model.embed_tokens.weight.dtype))
