@@ -560,7 +560,7 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
     out = []
     for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "scheduler_policy"):
+                 "scheduler_policy", "scheduling_policy"):
         value = getattr(args, name)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]

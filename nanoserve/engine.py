@@ -120,6 +120,7 @@ class EngineConfig:
     preemption: bool = True  # week 9
     enable_prefix_caching: bool = False  # week 14 (continuous policy): reuse the KV blocks of shared prefixes
     enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
+    scheduling_policy: str = "fcfs"  # or "priority" (continuous policy): lower priority values run first
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
@@ -152,6 +153,9 @@ class EngineConfig:
                        help="fail instead of preempting when the KV pool runs dry")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: off)")
+        p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                       help="order of the queue and of preemption (continuous policy): arrival, or each request's "
+                            "priority, lower first, with aging so that none waits forever (default: fcfs)")
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                        help="decodes first, then prompts cut to fit --max-num-batched-tokens (week 15; default: off)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
@@ -169,6 +173,7 @@ class EngineConfig:
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
                    enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+                   scheduling_policy=args.scheduling_policy,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
@@ -197,7 +202,8 @@ class Engine:
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
-                                   prefix_caching=c.enable_prefix_caching, chunked_prefill=c.enable_chunked_prefill)
+                                   prefix_caching=c.enable_prefix_caching, chunked_prefill=c.enable_chunked_prefill,
+                                   scheduling=c.scheduling_policy)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
                           "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
@@ -237,8 +243,9 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = True) -> int:
-        """Queue a prompt (text or token ids); returns its request id.
+                    stream: bool = True, priority: int = 0) -> int:
+        """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
+        first) matters only with `scheduling_policy="priority"`.
 
         With `stream=False` the request produces one output, when it finishes, and its text is
         decoded once at the end instead of token by token (unless it has stop strings, which
@@ -252,7 +259,8 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None,
+                       priority=priority)
         self.scheduler.add(seq)
         self.sampler.add(seq.seq_id, params)
         self.requests[seq.seq_id] = req

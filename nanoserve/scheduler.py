@@ -65,6 +65,8 @@ class Sequence:
     block_table_version: int = 0  # bumped when the table is given back: until then it only grows
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_hashes: list[bytes] = field(default_factory=list)  # week 14: names of its first full blocks
+    priority: int = 0  # the "priority" scheduling policy: lower runs first
+    steps_waiting: int = 0  # steps spent in the queue so far (priority scheduling ages it)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
@@ -158,14 +160,22 @@ class Scheduler:
     chunked prefill (week 15, continuous only): the step's token budget goes to the running
     decodes first; what is left goes to prompts, cut into chunks where they do not fit, so a
     long prompt never stalls the streams that are already decoding.
+    scheduling "priority" (continuous only; default "fcfs"): the queue and the running set are
+    kept in order of priority (lower first, arrival order among equals), so admission takes the
+    best-ranked request and preemption the worst; a request gains one level for every
+    `aging_steps` steps it has waited, so none waits forever.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
                  policy: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
-                 chunked_prefill: bool = False):
+                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling order {scheduling!r}: choose fcfs or priority")
+        self.by_priority = scheduling == "priority" and policy == "continuous"
+        self.aging_steps = aging_steps
         self.prefix_caching = prefix_caching and policy == "continuous"
         self.chunked_prefill = chunked_prefill and policy == "continuous"
         if self.prefix_caching:
@@ -235,6 +245,8 @@ class Scheduler:
     # -- the policies ---------------------------------------------------------------------------
 
     def schedule(self) -> Batch:
+        if self.by_priority:
+            self._order_by_priority()
         if self.policy == "admit-all":
             batch = self._schedule_admit_all()
         elif self.policy == "static":
@@ -313,6 +325,20 @@ class Scheduler:
         seqs = decoding + admitted
         return Batch(seqs, [1] * len(decoding) + [s.num_tokens - s.num_computed for s in admitted])
         # <<< week08: continuous
+
+    def _order_by_priority(self) -> None:
+        """Sort the queue and the running set by rank, keeping their order among equals (so FCFS,
+        and preempted sequences first in line, still hold within one priority level). The policies
+        then need nothing else: admission takes the head of the queue, and preemption the last
+        of the running set, which is now the worst-ranked."""
+        for seq in self.waiting:
+            seq.steps_waiting += 1
+        self.waiting = deque(sorted(self.waiting, key=self._rank))
+        self.running.sort(key=self._rank)
+
+    def _rank(self, seq: Sequence) -> int:
+        """Lower runs first: the request's priority, one level better per `aging_steps` steps waited."""
+        return seq.priority - seq.steps_waiting // self.aging_steps
 
     # -- week 14: prefix caching -----------------------------------------------------------------
 

@@ -195,6 +195,22 @@ def run_scheduler(scheduler, arrivals: dict[int, list], token: int = 7, max_step
     return step
 
 
+def fitting_arrivals(scheduler, timed: list[tuple[int, object]]) -> tuple[dict[int, list], list]:
+    """(step, sequence) pairs -> (arrivals for `run_scheduler`, the sequences kept): a sequence
+    that could never fit the scheduler's pool is left out, as `Scheduler.add` would refuse it."""
+    arrivals: dict[int, list] = {}
+    kept = []
+    for step, seq in timed:
+        try:
+            scheduler.add(seq)  # only to check that it fits: run_scheduler adds it at its step
+        except ValueError:
+            continue
+        scheduler.waiting.remove(seq)
+        kept.append(seq)
+        arrivals.setdefault(step, []).append(seq)
+    return arrivals, kept
+
+
 def check_block_invariants(scheduler, batch=None) -> None:
     """No block owned twice, free + used = total, every scheduled sequence's table covers it."""
     alloc = scheduler.allocator

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from nanoserve.engine import LLM
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus
-from nanoserve.testing import check_block_invariants, make_checkpoint, run_scheduler, tiny_config
+from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 
 def seq(prompt_len, max_tokens):
@@ -74,16 +74,7 @@ def test_thousands_of_requests_with_a_small_pool():
 def test_random_runs_with_preemption_keep_the_invariants(requests, num_blocks, block_size):
     s = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=64,
                   max_model_len=1024)
-    arrivals, seqs = {}, []
-    for step, prompt, out in requests:
-        q = seq(prompt, out)
-        try:
-            s.add(q)
-        except ValueError:
-            continue  # could never fit: rejected up front
-        s.waiting.remove(q)
-        seqs.append(q)
-        arrivals.setdefault(step, []).append(q)
+    arrivals, seqs = fitting_arrivals(s, [(step, seq(prompt, out)) for step, prompt, out in requests])
     run_scheduler(s, arrivals, on_step=lambda step, batch: check_block_invariants(s, batch))
     assert all(len(q.output_ids) == q.params.max_tokens for q in seqs)
     assert s.allocator.num_free == num_blocks

@@ -56,7 +56,7 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
     args = p.parse_args(["serving", "--block-size", "8", "--num-blocks", "99", "--kv-cache-memory", "0.5",
                          "--max-num-seqs", "12", "--max-model-len", "300", "--dtype", "float32",
                          "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
-                         "--enable-prefix-caching", "--enable-chunked-prefill",
+                         "--enable-prefix-caching", "--enable-chunked-prefill", "--scheduling-policy", "priority",
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
     served = build_parser().parse_args(["serve", "--model", args.model] + _engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)

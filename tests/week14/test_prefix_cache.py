@@ -14,7 +14,7 @@ from nanoserve.engine import LLM
 from nanoserve.prefix_cache import PrefixCachingAllocator, block_hash
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence
-from nanoserve.testing import make_checkpoint, run_scheduler, tiny_config
+from nanoserve.testing import fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 # ------------------------------------------------------------------------------ block names
 
@@ -134,16 +134,9 @@ def test_random_runs_keep_the_invariants_after_every_step(requests, num_blocks, 
     prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 14))] for _ in range(4)]
     s = Scheduler(num_blocks, block_size, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256,
                   prefix_caching=True)
-    arrivals, seqs = {}, []
-    for step, which, extra, out in requests:
-        q = seq(prefixes[which] + [rng.randrange(1000) for _ in range(extra)] or [1], max_tokens=out)
-        try:
-            s.add(q)
-        except ValueError:
-            continue
-        s.waiting.remove(q)
-        seqs.append(q)
-        arrivals.setdefault(step, []).append(q)
+    arrivals, seqs = fitting_arrivals(s, [
+        (step, seq(prefixes[which] + [rng.randrange(1000) for _ in range(extra)] or [1], max_tokens=out))
+        for step, which, extra, out in requests])
 
     def on_step(step, batch):
         check(s)

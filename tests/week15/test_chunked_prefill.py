@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nanoserve.engine import LLM
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus
-from nanoserve.testing import check_block_invariants, make_checkpoint, run_scheduler, tiny_config
+from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 
 def seq(prompt_len, max_tokens, token=3):
@@ -96,16 +96,8 @@ def test_random_runs_keep_the_invariants(requests, num_blocks, block_size, budge
     prompt token, and every request that was not aborted ends with all its tokens."""
     s = Scheduler(num_blocks, block_size, max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=1024,
                   chunked_prefill=True, prefix_caching=caching)
-    arrivals, seqs = {}, []
-    for step, prompt, out in requests:
-        q = seq(prompt, out, token=1 + step % 3)
-        try:
-            s.add(q)
-        except ValueError:
-            continue
-        s.waiting.remove(q)
-        seqs.append(q)
-        arrivals.setdefault(step, []).append(q)
+    arrivals, seqs = fitting_arrivals(s, [(step, seq(prompt, out, token=1 + step % 3))
+                                          for step, prompt, out in requests])
 
     def on_step(step, batch):
         if caching:
