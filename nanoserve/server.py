@@ -71,9 +71,13 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
     """The sampling fields of a completion or chat request -> SamplingParams (400 on bad input)."""
     # >>> week10: parse-params
     max_tokens = _get(body, "max_tokens", (int,), None, lambda v: v >= 1, "must be at least 1")
-    if max_tokens is None:  # the chat API's newer name for the same thing
-        max_tokens = _get(body, "max_completion_tokens", (int,), default_max_tokens, lambda v: v >= 1,
-                          "must be at least 1")
+    # the chat API's newer name for the same thing
+    newer = _get(body, "max_completion_tokens", (int,), None, lambda v: v >= 1, "must be at least 1")
+    if max_tokens is not None and newer is not None and newer != max_tokens:
+        raise APIError(400, f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({newer}) disagree; "
+                            "send one of them", param="max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens if newer is None else newer
     stop = _get(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -95,6 +99,24 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
     )
     # <<< week10: parse-params
+
+
+def message_text(content: str | list, index: int) -> str:
+    """A message's `content`: a string, or a list of text parts joined in order by newlines."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{index}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise APIError(400, f"'{param}' is a '{kind}' part; this server takes text only "
+                                "(parts of type 'text')", param=param)
+        if not (kind == "text" and isinstance(part.get("text"), str) and set(part) == {"type", "text"}):
+            raise APIError(400, f"'{param}' must be a text part: {{\"type\": \"text\", \"text\": \"...\"}}",
+                           param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)  # as vLLM joins them
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -185,18 +207,31 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         body = await read_json(request)
         params = sampling_params_from(body, default_max_tokens)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            prompt_ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         and 0 <= t < vocab_size for t in prompt):
-            prompt_ids = list(prompt)  # already tokenized
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompts, names = [prompt], ["prompt"]  # one prompt: text, or token ids
+        elif isinstance(prompt, list) and prompt:  # a batch: strings, or lists of token ids
+            prompts, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
         else:
-            raise APIError(400, f"'prompt' is required: a non-empty string, or a list of token ids in [0, {vocab_size})",
-                           param="prompt")
-        check_length(prompt_ids, params, "prompt")
+            prompts, names = [None], ["prompt"]
+        for p, name in zip(prompts, names):  # a batch is all strings or all token-id lists
+            if type(p) is not type(prompts[0]):
+                raise APIError(400, f"'{name}' is a {type(p).__name__} but 'prompt[0]' a "
+                                    f"{type(prompts[0]).__name__}: a batch of prompts is all strings or all "
+                                    "lists of token ids", param=name)
+        prompt_ids = [prompt_token_ids(p, name) for p, name in zip(prompts, names)]
+        for ids, name in zip(prompt_ids, names):
+            check_length(ids, params, name)
         return await respond(request, body, prompt_ids, params, chat=False)
+
+    def prompt_token_ids(prompt: Any, param: str) -> list[int]:
+        """One prompt of a completion request, a string or a list of token ids, as token ids."""
+        if isinstance(prompt, str) and prompt:
+            return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < vocab_size for t in prompt):
+            return list(prompt)  # already tokenized
+        raise APIError(400, f"'{param}' must be a non-empty string or a list of token ids in [0, {vocab_size}) "
+                            "('prompt' may also be a list of those, one choice each)", param=param)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -207,45 +242,59 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
         for m in messages:
             if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str)):
-                raise APIError(400, "each message needs a 'role' (system, user or assistant) and a string "
-                                    "'content'", param="messages")
+                    and isinstance(m.get("content"), (str, list))):
+                raise APIError(400, "each message needs a 'role' (system, user or assistant) and a "
+                                    "'content' (a string or a list of text parts)", param="messages")
         try:
             prompt_ids = tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages])
+                [{"role": m["role"], "content": message_text(m["content"], i)} for i, m in enumerate(messages)])
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         check_length(prompt_ids, params, "messages")
-        return await respond(request, body, prompt_ids, params, chat=True)
+        return await respond(request, body, [prompt_ids], params, chat=True)
 
-    async def respond(request: Request, body: dict, prompt_ids: list[int], params: SamplingParams, chat: bool):
+    async def respond(request: Request, body: dict, prompt_ids: list[list[int]], params: SamplingParams,
+                      chat: bool):
+        """Generate one choice per prompt (choice i for prompt_ids[i]), all at once or streamed."""
         stream = _get(body, "stream", (bool,), False)
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        streams, firsts = [], []
         try:
-            outputs = engine.generate(prompt_ids, params)
-            first = await anext(outputs)  # admission errors surface here, before any byte is sent
-        except QueueFull as e:
+            for ids in prompt_ids:
+                streams.append(engine.generate(ids, params))
+                firsts.append(await anext(streams[-1]))  # admission errors surface here, before any byte is sent
+        except (QueueFull, ValueError) as e:
+            for outputs in streams:  # abort the prompts already admitted
+                await outputs.aclose()
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
             raise APIError(429, f"the server is busy ({e}); retry shortly", code="server_overloaded",
                            type_="server_error", headers={"Retry-After": "1"}) from None
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
         meta = dict(id=request_id, created=int(time.time()), model=model_name)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
         if stream:
-            return StreamingResponse(sse_events(outputs, first, meta, chat, include_usage, len(prompt_ids)),
+            return StreamingResponse(sse_events(merged_outputs(streams, firsts), meta, chat, include_usage,
+                                                prompt_tokens),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        last = await collect(request, outputs, first)
-        if last is None:  # nobody is listening any more
+        tasks = [asyncio.ensure_future(collect(request, o, f)) for o, f in zip(streams, firsts)]
+        try:
+            lasts = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # if one failed, stop the others
+                task.cancel()
+        if any(last is None for last in lasts):  # nobody is listening any more
             return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
                                            "param": None, "code": None}}, status_code=499)
-        usage = _usage(len(prompt_ids), len(last.token_ids))
+        usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
-                      "logprobs": None, "finish_reason": last.finish_reason}
-            return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}
-        return {**meta, "object": "text_completion", "choices": [choice], "usage": usage}
+            choices = [{"index": i, "message": {"role": "assistant", "content": last.text},
+                        "logprobs": None, "finish_reason": last.finish_reason} for i, last in enumerate(lasts)]
+            return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+        choices = [{"index": i, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}
+                   for i, last in enumerate(lasts)]
+        return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
     return app
 
@@ -283,40 +332,68 @@ async def collect(request: Request, outputs, first: RequestOutput) -> RequestOut
         await outputs.aclose()
 
 
-async def sse_events(outputs, first: RequestOutput, meta: dict, chat: bool, include_usage: bool,
-                     prompt_tokens: int):
+async def merged_outputs(streams: list, firsts: list[RequestOutput]):
+    """`(index, output)` pairs from several engine generators, as they arrive.
+
+    `firsts[i]` is the output `respond` already took from `streams[i]`; those come first, in order.
+    Outputs that arrive together come in index order. However this generator ends, every request
+    still running is aborted.
+    """
+    pending: dict[asyncio.Future, int] = {}  # the next output of each unfinished stream
+    try:
+        for i, out in enumerate(firsts):
+            yield i, out
+            if not out.finished:
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i, out = pending.pop(task), task.result()  # re-raises what the engine reported
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        running = {i for task, i in pending.items() if not task.done()}
+        for task in pending:  # cancelling a running `anext` aborts that request
+            task.cancel()
+        for i, outputs in enumerate(streams):
+            if i not in running:  # a generator inside a running `anext` cannot be closed
+                await outputs.aclose()
+
+
+async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
-    If the client disconnects, Starlette cancels this generator; closing `outputs` in the
-    `finally` aborts the request on the engine thread, which frees its KV blocks.
+    `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). If the client
+    disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
+    requests on the engine thread, which frees their KV blocks.
     """
     # >>> week11: sse-events
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
+    def chunk(index: int, delta: str | None, finish_reason: str | None, role: bool = False) -> str:
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
         payload = {**meta, "object": kind, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+    completion_tokens = 0
     try:
         if chat:
-            yield chunk(None, None, role=True)
-        out = first
-        while True:
+            yield chunk(0, None, None, role=True)
+        async for index, out in outputs:
             if out.delta:
-                yield chunk(out.delta, None)
+                yield chunk(index, out.delta, None)
             if out.finished:
-                break
-            out = await anext(outputs)
-        yield chunk(None if chat else "", out.finish_reason)
+                yield chunk(index, None if chat else "", out.finish_reason)
+                completion_tokens += len(out.token_ids)
         if include_usage:
-            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, len(out.token_ids))}
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
