@@ -63,17 +63,17 @@ class Track:
 
 PENDING_GPU = "GPU targets: measured in docs/benchmarks.md (pending)"
 
+
+def serving_targets(**limits: float) -> tuple[Target, ...]:
+    """One target per metric of METRICS, in its order: at most the limit for the latencies, at
+    least the limit for the throughput."""
+    return tuple(Target(metric, limits[metric], at_least=metric == "output_tok_s") for metric in METRICS)
+
 TRACKS = {
     "capstone-cpu": Track(
         name="capstone-cpu", model="smollm2", device="cpu", dtype="float32",
         rate=0.5, requests=40, prompt_len=(32, 128), output_len=(32, 64),
-        targets=(
-            Target("ttft_p50_ms", 600),
-            Target("ttft_p99_ms", 2000),
-            Target("itl_p50_ms", 160),
-            Target("itl_p99_ms", 900),
-            Target("output_tok_s", 28, at_least=True),
-        ),
+        targets=serving_targets(ttft_p50_ms=600, ttft_p99_ms=2000, itl_p50_ms=160, itl_p99_ms=900, output_tok_s=28),
         # the reference's runs and the margins are in weeks/capstone/README.md, section 3
         measured_on="the reference engine on a 2-vCPU AMD EPYC VM, torch 2.13.0 (CPU)",
     ),
@@ -81,13 +81,7 @@ TRACKS = {
         name="capstone-gpu", model="smollm2", device="cuda", dtype="bfloat16",
         # the default workload of `bench serving`, at its middle rate
         rate=6.0, requests=60, prompt_len=(100, 1024), output_len=(100, 512),
-        targets=(
-            Target("ttft_p50_ms", 60),
-            Target("ttft_p99_ms", 200),
-            Target("itl_p50_ms", 3),
-            Target("itl_p99_ms", 15),
-            Target("output_tok_s", 1450, at_least=True),
-        ),
+        targets=serving_targets(ttft_p50_ms=60, ttft_p99_ms=200, itl_p50_ms=3, itl_p99_ms=15, output_tok_s=1450),
         # three runs of the reference on an H100 (SmolLM2's shape, random weights): weeks/capstone/README.md
         measured_on="the reference engine on an NVIDIA H100 80GB HBM3, torch 2.11.0+cu130",
     ),
