@@ -174,6 +174,10 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if scheduling not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling order {scheduling!r}: choose fcfs or priority")
+        asked = [name for name, on in (("prefix caching", prefix_caching), ("chunked prefill", chunked_prefill),
+                                       ("priority scheduling", scheduling == "priority")) if on]
+        if asked and policy != "continuous":
+            raise ValueError(f"{' and '.join(asked)} work with the continuous policy only, not {policy!r}")
         self.by_priority = scheduling == "priority" and policy == "continuous"
         self.aging_steps = aging_steps
         self.prefix_caching = prefix_caching and policy == "continuous"

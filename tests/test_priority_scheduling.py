@@ -105,3 +105,11 @@ def test_engine_outputs_do_not_depend_on_the_order(tmp_path):
         first = min(finished_at, key=lambda i: finished_at[i][0])
         assert first == (ids[-1] if policy == "priority" else ids[0])
     assert outs["priority"] == outs["fcfs"]  # the same tokens, in another order of work
+
+
+def test_options_of_the_continuous_policy_are_refused_with_another():
+    import pytest
+
+    for kw in (dict(scheduling="priority"), dict(prefix_caching=True), dict(chunked_prefill=True)):
+        with pytest.raises(ValueError, match="continuous policy only, not 'static'"):
+            Scheduler(16, 4, policy="static", **kw)
