@@ -566,6 +566,7 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
             out += ["--" + name.replace("_", "-"), str(value)]
     flags = [("--no-preemption", not args.preemption), ("--no-cuda-graphs", args.cuda_graphs is False),
              ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching),
+             ("--no-enable-prefix-caching", args.enable_prefix_caching is False),
              ("--enable-chunked-prefill", args.enable_chunked_prefill)]
     return out + [flag for flag, on in flags if on]
 

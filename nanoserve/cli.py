@@ -1,4 +1,4 @@
-"""The `nanoserve` command line: `chat`, `generate`, `compare`, `serve`, `bench`, `cache` and `course`."""
+"""The `nanoserve` command line: `chat`, `generate`, `compare`, `serve`, `bench`, `run-batch`, `cache` and `course`."""
 
 from __future__ import annotations
 
@@ -92,10 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.engine import AsyncEngine, Engine, EngineConfig
     from nanoserve.server import create_app
 
+    _configure_logging(args.log_level)
     engine = Engine(EngineConfig.from_args(args))
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, metrics=args.metrics, log_requests=args.log_requests)
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
           f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
@@ -104,6 +105,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    """nanoserve's own loggers at `level` on stderr; the request log (`nanoserve.requests`) as
+    bare JSON lines, so that `2> requests.jsonl`-style collection needs no parsing."""
+    import logging
+
+    root = logging.getLogger("nanoserve")
+    root.setLevel(level.upper())
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    requests = logging.getLogger("nanoserve.requests")
+    if not requests.handlers:
+        bare = logging.StreamHandler()
+        bare.setFormatter(logging.Formatter("%(message)s"))
+        requests.addHandler(bare)
+        requests.propagate = False
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -159,7 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument("--log-level", default="info")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="for uvicorn's and nanoserve's own loggers (default: info)")
+    srv.add_argument("--log-requests", action="store_true",
+                     help="one JSON line per finished request on stderr (id, lengths, TTFT, end-to-end time, "
+                          "finish reason; default: off)")
+    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
+                     help="do not serve GET /metrics (Prometheus text format; default: served)")
     EngineConfig.add_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -168,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    batch = sub.add_parser("run-batch", help="offline inference from a batch file (OpenAI batch JSONL, prompts in "
+                                             "JSONL, CSV or Parquet); resumable")
+    import nanoserve.batch
+
+    nanoserve.batch.add_arguments(batch)
+    batch.set_defaults(func=nanoserve.batch.run)
 
     cache = sub.add_parser("cache", help="list the GGUF files converted so far; --clear removes them")
     cache.add_argument("--clear", action="store_true")

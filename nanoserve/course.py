@@ -27,6 +27,7 @@ do the same in their first cell, and `notebook --week N` starts Jupyter with the
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import re
@@ -107,6 +108,16 @@ def source_files(package: Path = PACKAGE_DIR) -> list[Path]:
     """The package's Python files, except this tool (whose docstring shows a marker pair)."""
     return sorted(p.relative_to(package) for p in package.rglob("*.py")
                   if "__pycache__" not in p.parts and p.name != "course.py")
+
+
+@functools.lru_cache(maxsize=None)
+def stubbed_weeks(package: Path = PACKAGE_DIR) -> frozenset[int]:
+    """The weeks with an exercise still a stub in this copy of the package: none in the
+    reference; in a learner's workspace, the weeks not written yet. Features that are on by
+    default from a bonus week on (week 14's prefix caching) stay off until that week is done."""
+    stub = re.compile(r'raise NotImplementedError\("week (\d\d) exercise')
+    return frozenset(int(m.group(1)) for rel in source_files(package)
+                     for m in stub.finditer((package / rel).read_text()))
 
 
 def all_exercises(package: Path = PACKAGE_DIR) -> list[Exercise]:

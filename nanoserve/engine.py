@@ -31,6 +31,25 @@ from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
+class RequestMetrics:
+    """A finished request's timeline (`time.perf_counter` seconds) and sizes: what week 16's
+    metrics and request logs are made of."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: it never got KV blocks (aborted in the queue)
+    token_times: list[float]  # when each output token came out
+    finished_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        return cls(seq.arrival_time, seq.first_scheduled_time, list(seq.token_times), time.perf_counter(),
+                   seq.prompt_len, seq.num_output_tokens, seq.num_preemptions)
+
+
+@dataclass
 class RequestOutput:
     """What a request produced so far (`finished` tells whether that is all)."""
 
@@ -41,6 +60,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
     delta: str = ""  # the text this step added (for streaming)
+    metrics: RequestMetrics | None = None  # on the finished output only
 
 
 @dataclass
@@ -118,7 +138,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
     scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
     preemption: bool = True  # week 9
-    enable_prefix_caching: bool = False  # week 14 (continuous policy): reuse the KV blocks of shared prefixes
+    enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
+    # the continuous policy (it costs nothing measurable without sharing), once week 14 is done (see below)
     enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
     scheduling_policy: str = "fcfs"  # or "priority" (continuous policy): lower priority values run first
     trace: bool = False  # keep a StepRecord per step
@@ -151,8 +172,9 @@ class EngineConfig:
                        help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
         p.add_argument("--no-preemption", dest="preemption", action="store_false",
                        help="fail instead of preempting when the KV pool runs dry")
-        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                       help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: off)")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
+                            "the continuous policy)")
         p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="order of the queue and of preemption (continuous policy): arrival, or each request's "
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")
@@ -202,7 +224,7 @@ class Engine:
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
         self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
-                                   prefix_caching=c.enable_prefix_caching, chunked_prefill=c.enable_chunked_prefill,
+                                   prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
                                    scheduling=c.scheduling_policy)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
@@ -217,6 +239,17 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if c.trace else None
+
+    def _prefix_caching(self) -> bool:
+        """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
+        learner's workspace it stays off by default until week 14's exercises are written, so the
+        earlier weeks never run a stub (nanoserve/course.py, `stubbed_weeks`)."""
+        c = self.config
+        if c.enable_prefix_caching is not None:
+            return c.enable_prefix_caching
+        from nanoserve.course import stubbed_weeks
+
+        return c.scheduler_policy == "continuous" and 14 not in stubbed_weeks()
 
     def _kv_pool_blocks(self, device: str, dtype: torch.dtype, runner_args: dict) -> int:
         """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what
@@ -267,11 +300,17 @@ class Engine:
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
 
-    def abort(self, request_id: int) -> None:
-        """Cancel a request now: its KV blocks go back to the pool at once."""
-        if self.requests.pop(request_id, None) is not None:
-            self.scheduler.finish(self.sequences.pop(request_id), "abort")
-            self.sampler.release(request_id)
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Cancel a request now: its KV blocks go back to the pool at once. Returns its final
+        output (finish reason "abort"), or None if it had already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        seq = self.sequences.pop(request_id)
+        self.scheduler.finish(seq, "abort")
+        self.sampler.release(request_id)
+        return RequestOutput(request_id, seq.prompt_ids, seq.output_ids, req.text, True, "abort",
+                             metrics=RequestMetrics.of(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -327,11 +366,13 @@ class Engine:
         # Deliver text that can no longer turn out to be the start of a stop string.
         end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
         delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
+        metrics = None
         if seq.is_finished:
             del self.requests[seq.seq_id], self.sequences[seq.seq_id]
             self.sampler.release(seq.seq_id)
+            metrics = RequestMetrics.of(seq)
         return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
-                             seq.is_finished, seq.finish_reason, delta)
+                             seq.is_finished, seq.finish_reason, delta, metrics)
 
 
 class LLM:
@@ -390,6 +431,12 @@ class AsyncEngine:
         engine thread --(loop.call_soon_threadsafe -> an asyncio.Queue per request)--> task
 
     The Engine object itself is touched by the engine thread alone, so it needs no locks.
+    (Week 16's `stats()` reads a few of its counters from the event loop: plain integers and
+    lengths, each read atomic under the GIL, so a scrape costs the engine thread nothing.)
+
+    `listeners` (week 16) are called on the request's event loop with every finished request's
+    last `RequestOutput` (aborted ones too, finish reason "abort") and the options it was
+    submitted with: metrics and request logs hang there, off the engine thread.
     """
 
     def __init__(self, engine: Engine, max_pending: int = 256):
@@ -401,6 +448,8 @@ class AsyncEngine:
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[int, tuple] = {}  # our key -> (event loop, asyncio.Queue)
         self.request_ids: dict[int, int] = {}  # our key -> the engine's request id
+        self.options: dict[int, dict] = {}  # our key -> the options it was submitted with
+        self.listeners: list = []  # callables (final RequestOutput, options), run on the event loop
         self.num_pending = 0  # read and written on the event loop only
         self._keys = itertools.count()
         self._wake = threading.Event()
@@ -425,10 +474,26 @@ class AsyncEngine:
         """Token ids the model accepts (may exceed the tokenizer's own vocabulary)."""
         return self.engine.model.config.vocab_size
 
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.config.scheduling_policy
+
     def kv_blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks, for health checks."""
         alloc = self.engine.scheduler.allocator
         return alloc.num_free, alloc.num_blocks
+
+    def stats(self) -> dict:
+        """The engine's state right now, for `/metrics` (read from the event loop: see above)."""
+        scheduler = self.engine.scheduler
+        free, total = self.kv_blocks()
+        stats = dict(running=len(scheduler.running), waiting=len(scheduler.waiting), kv_blocks_used=total - free,
+                     kv_blocks_total=total, preemptions=scheduler.num_preemptions, steps=self.engine.num_steps,
+                     scheduled_tokens=scheduler.num_scheduled_tokens)
+        prefix = self.engine.prefix_cache_stats()
+        if prefix is not None:
+            stats["prefix_cache"] = prefix
+        return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -437,11 +502,13 @@ class AsyncEngine:
 
     # -- the asyncio side --------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams):
+    async def generate(self, prompt: str | list[int], params: SamplingParams, **options):
         """Submit a request and yield its `RequestOutput`s as they come (the last is finished).
 
         If the consumer stops early (the client went away, the task was cancelled), the request
-        is aborted on the engine thread and its KV blocks are freed.
+        is aborted on the engine thread and its KV blocks are freed. `options` travel with the
+        request: `priority` goes to `Engine.add_request`, and the listeners get all of them
+        (the server's request id, for the request log).
         """
         import asyncio
 
@@ -451,7 +518,7 @@ class AsyncEngine:
         key = next(self._keys)
         stream: asyncio.Queue = asyncio.Queue()
         self.num_pending += 1
-        self.inbox.put(("add", key, prompt, params, asyncio.get_running_loop(), stream))
+        self.inbox.put(("add", key, prompt, params, options, asyncio.get_running_loop(), stream))
         self._wake.set()
         finished = False
         try:
@@ -473,6 +540,14 @@ class AsyncEngine:
     def _send(self, key: int, item) -> None:
         loop, stream = self.streams[key]
         loop.call_soon_threadsafe(stream.put_nowait, item)
+        if isinstance(item, RequestOutput) and item.finished:
+            self._finished(loop, item, self.options.pop(key, {}))
+        elif isinstance(item, Exception):  # the request failed: nothing more will come
+            self.options.pop(key, None)
+
+    def _finished(self, loop, output: RequestOutput, options: dict) -> None:
+        for listener in self.listeners:
+            loop.call_soon_threadsafe(listener, output, options)
 
     def _handle_inbox(self) -> None:
         import queue
@@ -483,19 +558,23 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, key, prompt, params, loop, stream = command
+                _, key, prompt, params, options, loop, stream = command
                 self.streams[key] = (loop, stream)
                 try:
-                    self.request_ids[key] = self.engine.add_request(prompt, params)
+                    self.request_ids[key] = self.engine.add_request(prompt, params,
+                                                                    priority=options.get("priority", 0))
+                    self.options[key] = options
                 except ValueError as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)
                     del self.streams[key]
             else:
                 _, key = command
                 rid = self.request_ids.pop(key, None)
-                self.streams.pop(key, None)
-                if rid is not None:
-                    self.engine.abort(rid)
+                loop, _ = self.streams.pop(key, (None, None))
+                options = self.options.pop(key, {})
+                output = self.engine.abort(rid) if rid is not None else None
+                if output is not None and loop is not None:
+                    self._finished(loop, output, options)
 
     def _run(self) -> None:
         # >>> week10: engine-thread

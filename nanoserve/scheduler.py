@@ -68,6 +68,7 @@ class Sequence:
     priority: int = 0  # the "priority" scheduling policy: lower runs first
     steps_waiting: int = 0  # steps spent in the queue so far (priority scheduling ages it)
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # when it first got KV blocks (its queue time ends)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
     prompt_len: int = field(init=False)
@@ -244,6 +245,8 @@ class Scheduler:
         self.waiting.remove(seq)
         self._grow_to(seq, reserve_tokens)
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
         self.running.append(seq)
 
     # -- the policies ---------------------------------------------------------------------------
@@ -335,14 +338,18 @@ class Scheduler:
         and preempted sequences first in line, still hold within one priority level). The policies
         then need nothing else: admission takes the head of the queue, and preemption the last
         of the running set, which is now the worst-ranked."""
+        # >>> week16: order-by-priority
         for seq in self.waiting:
             seq.steps_waiting += 1
         self.waiting = deque(sorted(self.waiting, key=self._rank))
         self.running.sort(key=self._rank)
+        # <<< week16: order-by-priority
 
     def _rank(self, seq: Sequence) -> int:
         """Lower runs first: the request's priority, one level better per `aging_steps` steps waited."""
+        # >>> week16: rank
         return seq.priority - seq.steps_waiting // self.aging_steps
+        # <<< week16: rank
 
     # -- week 14: prefix caching -----------------------------------------------------------------
 

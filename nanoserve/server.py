@@ -23,7 +23,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
 from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
@@ -123,12 +123,22 @@ def message_text(content: str | list, index: int) -> str:
 
 
 class Guard:
-    """Authentication and the body size limit, checked before any handler reads the body."""
+    """Authentication and the body size limit, checked before any handler reads the body; and
+    (week 16) every response's status handed to `on_response(path, status)`."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_response=None):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.on_response = on_response
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.on_response is not None:
+            inner_send = send
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    self.on_response(scope["path"], message["status"])
+                await inner_send(message)
+
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             error = None
@@ -147,16 +157,27 @@ class Guard:
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
+               metrics: bool = True, log_requests: bool = False) -> FastAPI:
+    """The app. `metrics`: serve `GET /metrics` (week 16); `log_requests`: one JSON line per
+    finished request on the `nanoserve.requests` logger."""
+    from nanoserve.metrics import RequestLog, ServerMetrics
+
     app = FastAPI(title="nanoserve", version="0.1.0")
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     vocab_size = engine.vocab_size
     created = int(time.time())
+    app.state.metrics = server_metrics = ServerMetrics(engine) if metrics else None
+    if server_metrics is not None:
+        engine.listeners.append(server_metrics.observe_request)
+    if log_requests:
+        engine.listeners.append(RequestLog())
 
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
     # disconnects from the handlers, and we need them to abort abandoned requests.
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       on_response=server_metrics.observe_http if server_metrics else None)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -171,6 +192,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         free, total = engine.kv_blocks()
         return {"status": "ok", "requests_in_flight": engine.num_pending,
                 "kv_blocks_free": free, "kv_blocks_total": total}
+
+    if server_metrics is not None:
+        @app.get("/metrics")
+        async def metrics_endpoint():
+            body, content_type = server_metrics.exposition()
+            return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -258,11 +285,16 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """Generate one choice per prompt (choice i for prompt_ids[i]), all at once or streamed."""
         stream = _get(body, "stream", (bool,), False)
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        priority = _get(body, "priority", (int,), 0)
+        if priority != 0 and engine.scheduling_policy != "priority":
+            raise APIError(400, "'priority' needs a server started with --scheduling-policy priority "
+                                f"(this one schedules by {engine.scheduling_policy})", param="priority")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         streams, firsts = [], []
         try:
-            for ids in prompt_ids:
-                streams.append(engine.generate(ids, params))
+            for i, ids in enumerate(prompt_ids):
+                name = request_id if len(prompt_ids) == 1 else f"{request_id}-{i}"
+                streams.append(engine.generate(ids, params, priority=priority, request_id=name))
                 firsts.append(await anext(streams[-1]))  # admission errors surface here, before any byte is sent
         except (QueueFull, ValueError) as e:
             for outputs in streams:  # abort the prompts already admitted
@@ -329,6 +361,7 @@ async def collect(request: Request, outputs, first: RequestOutput) -> RequestOut
     finally:
         if not task.done():  # the handler itself was cancelled
             task.cancel()
+            await asyncio.wait({task})  # a generator inside a running `anext` cannot be closed
         await outputs.aclose()
 
 

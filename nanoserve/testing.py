@@ -236,7 +236,7 @@ class ServerThread:
     """
 
     def __init__(self, engine_kwargs: dict | None = None, model_name: str = "tiny", api_key: str | None = None,
-                 max_pending: int = 256, max_body_bytes: int = 1 << 20):
+                 max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None):
         import socket
 
         from nanoserve.engine import AsyncEngine, Engine, EngineConfig
@@ -246,7 +246,8 @@ class ServerThread:
         kwargs.update(engine_kwargs or {})
         self.engine = Engine(EngineConfig(**kwargs))
         self.async_engine = AsyncEngine(self.engine, max_pending=max_pending)
-        self.app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                              **(app_kwargs or {}))
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Priority scheduling (issue 18, first part; its week's lesson is still to come): lower priority
+"""Week 16: priority scheduling. Lower priority
 values run first, preemption takes the worst-ranked sequence, and aging keeps anyone from
 waiting forever. FCFS stays the default and is unchanged."""
 
