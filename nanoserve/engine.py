@@ -142,6 +142,10 @@ class EngineConfig:
     # the continuous policy (it costs nothing measurable without sharing), once week 14 is done (see below)
     enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
     scheduling_policy: str = "fcfs"  # or "priority" (continuous policy): lower priority values run first
+    speculative: str | None = None  # week 17: "ngram" (prompt lookup) or "draft" (a smaller model); None: off
+    num_speculative_tokens: int = 4  # guesses per decode and step
+    draft_model: str | os.PathLike | None = None  # speculative="draft": the draft's checkpoint (same tokenizer)
+    speculative_max_batch: int = 8  # no guesses in a step with more decodes than this
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
@@ -180,6 +184,13 @@ class EngineConfig:
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                        help="decodes first, then prompts cut to fit --max-num-batched-tokens (week 15; default: off)")
+        p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                       help="speculative decoding (week 17): guesses from prompt lookup or a draft model, "
+                            "verified in one target pass (default: off)")
+        p.add_argument("--num-speculative-tokens", type=int, default=4, help="guesses per decode step (default: 4)")
+        p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model (same tokenizer)")
+        p.add_argument("--speculative-max-batch", type=int, default=8,
+                       help="no speculation in steps with more decodes than this (default: 8)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
@@ -195,7 +206,9 @@ class EngineConfig:
                    max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                    scheduler_policy=args.scheduler_policy, preemption=args.preemption,
                    enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-                   scheduling_policy=args.scheduling_policy,
+                   scheduling_policy=args.scheduling_policy, speculative=args.speculative,
+                   num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+                   speculative_max_batch=args.speculative_max_batch,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
@@ -239,6 +252,12 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if c.trace else None
+        self.speculator = None
+        if c.speculative is not None:  # week 17
+            from nanoserve.speculative import SpecDecoder
+
+            self.speculator = SpecDecoder(self, c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
+                                          draft_model=c.draft_model)
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
@@ -324,6 +343,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that got a token."""
+        if self.speculator is not None:  # week 17: the same loop, with guesses verified
+            return self.speculator.step()
         # >>> week05: engine-step
         start = time.perf_counter()
         batch = self.scheduler.schedule()

@@ -473,17 +473,71 @@ class Scheduler:
         for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, new_tokens):
             if seq.is_finished:  # aborted while its step was running
                 continue
+            computed_before = seq.num_computed
             seq.num_computed += n
-            if self.prefix_caching and seq.num_computed // self.block_size > (seq.num_computed - n) // self.block_size:
-                self._cache_full_blocks(seq, seq.num_computed - n)  # this step filled a block
+            ended = None
             for token in tokens:
                 seq.token_ids.append(token)
                 seq.token_times.append(now)
                 if token in seq.stop_ids:
-                    self.finish(seq, "stop")
+                    ended = "stop"
                 elif seq.stop_checker is not None and seq.stop_checker(token):
-                    self.finish(seq, "stop")
+                    ended = "stop"
                 elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                    self.finish(seq, "length")
-                if seq.is_finished:
+                    ended = "length"
+                if ended:
                     break
+            if seq.num_computed >= seq.num_tokens:  # week 17: guesses past the first rejection ran
+                self._drop_rejected(seq)
+            if self.prefix_caching and seq.num_computed // self.block_size > computed_before // self.block_size:
+                self._cache_full_blocks(seq, computed_before)  # this step filled a block
+            if ended:
+                self.finish(seq, ended)
+
+    # -- week 17: speculative decoding -------------------------------------------------------------
+
+    def add_drafts(self, batch: Batch, drafts: list[list[int]]) -> list[list[int]]:
+        """Turn the batch's decodes into verifications: sequence i runs its last token and the
+        guesses `drafts[i]`, and samples from all of those rows (`verify` keeps the guesses the
+        target agrees with). Guesses are cut to what fits: the step's token budget, the request's
+        max_tokens (the target adds one token of its own), the context, and the free blocks (a
+        guess never preempts anyone). The guesses are appended to `token_ids` for the forward
+        pass only; `remove_drafts` takes them off again. Returns the guesses scheduled."""
+        # >>> week17: add-drafts
+        budget = self.max_num_batched_tokens - batch.num_scheduled_tokens
+        scheduled = []
+        for i, (seq, draft) in enumerate(zip(batch.seqs, drafts)):
+            k = 0
+            if draft and batch.num_new_tokens[i] == 1 and batch.num_samples[i] == 1:
+                room = (len(seq.block_table) + self.allocator.num_free) * self.block_size - seq.num_tokens
+                k = max(0, min(len(draft), budget, room, seq.params.max_tokens - seq.num_output_tokens - 1,
+                               self.max_model_len - seq.num_tokens))
+            if k:
+                self._grow_to(seq, seq.num_tokens + k)
+                seq.token_ids += draft[:k]
+                batch.num_new_tokens[i] = batch.num_samples[i] = 1 + k
+                budget -= k
+            scheduled.append(list(draft[:k]))
+        return scheduled
+        # <<< week17: add-drafts
+
+    def remove_drafts(self, batch: Batch, drafts: list[list[int]]) -> None:
+        """After the forward pass: the guesses leave `token_ids` (`update` appends those accepted)."""
+        for seq, draft in zip(batch.seqs, drafts):
+            if draft:
+                del seq.token_ids[len(seq.token_ids) - len(draft) :]
+
+    def _drop_rejected(self, seq: Sequence) -> None:
+        """The K/V written for rejected guesses are garbage: the sequence's computed length rolls
+        back to its tokens (all but the last, whose K/V the next step writes), and the blocks past
+        them go back to the pool. The table shrank, so its version changes (CUDA graphs' staging
+        rewrites a table row only when its version or length changes)."""
+        # >>> week17: drop-rejected
+        seq.num_computed = seq.num_tokens - 1
+        keep = blocks_needed(seq.num_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            for block in reversed(seq.block_table[keep:]):
+                self.allocator.free(block)
+            del seq.block_table[keep:]
+            seq.block_table_version += 1
+        # <<< week17: drop-rejected

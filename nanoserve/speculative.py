@@ -27,6 +27,7 @@ is accepted, the row after the last guess gives one more token, drawn from p: th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ class NgramProposer:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to k guessed next tokens for `token_ids` (fewer if the match is near the end,
         [] if no n-gram of min_n..max_n tokens matches or k == 0)."""
+        # >>> week17: ngram-propose
         if k <= 0 or len(token_ids) < 2:
             return []
         last = len(token_ids) - 1
@@ -82,6 +84,7 @@ class NgramProposer:
                 start = end_of_match[n] + 1
                 return list(token_ids[start : start + k])
         return []
+        # <<< week17: ngram-propose
 
     def propose_batch(self, token_lists: list[list[int]], ks: list[int]) -> list[list[int]]:
         """`propose` for every sequence of a batch: token_lists[i] gets up to ks[i] tokens."""
@@ -197,6 +200,7 @@ def _rejection_sample(logits: torch.Tensor, draft: torch.Tensor, has_draft: torc
             noise[first : first + n + 1].exponential_(generator=g)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would divide by zero
 
+    # >>> week17: rejection-rule
     # Accept x with probability min(1, p(x) / q(x)); written without the division so that
     # q(x) = 0 is no special case, and p(x) = 0 never accepts.
     accept = uniform * q_draft < p_draft  # [R]
@@ -206,6 +210,7 @@ def _rejection_sample(logits: torch.Tensor, draft: torch.Tensor, has_draft: torc
     residual = torch.where(empty, p, residual)
     drawn = (residual / noise).argmax(dim=-1)  # exponential race: no need to normalise
     return accept, drawn
+    # <<< week17: rejection-rule
 
 
 def _check_verify_args(logits, drafts, params, generators, seen, draft_probs, num_rows) -> None:
@@ -264,3 +269,210 @@ class SpecStats:
     def tokens_per_step(self) -> float:
         """Mean tokens a sequence gains per target step (1 without speculation)."""
         return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+
+# ------------------------------------------------------------------ inside the engine (week 17)
+
+
+class DraftModelProposer:
+    """Guesses from a smaller model with the same tokenizer, run ahead k tokens per step.
+
+    The draft keeps its own paged KV cache (its own `ModelRunner` and block pool) and one shadow
+    `Sequence` per target sequence: the same tokens, its own block table and computed length.
+    Each step it catches up on the tokens the target emitted since (one prefill-like pass), then
+    runs k - 1 more one-token steps, sampling each guess with the request's own settings (greedy
+    requests: the argmax). After verification the shadow takes the target's tokens, and its
+    computed length rolls back to the last guess the target accepted; blocks past it are freed.
+    """
+
+    def __init__(self, model_dir, *, dtype: torch.dtype, device: str, block_size: int, num_blocks: int,
+                 max_model_len: int, attention_backend: str, fused_kernels: bool, vocab_size: int):
+        from nanoserve.blocks import BlockAllocator
+        from nanoserve.loader import load_model
+        from nanoserve.runner import ModelRunner
+
+        model = load_model(model_dir, dtype=dtype, device=device)
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {model.config.vocab_size} tokens, the target's "
+                             f"{vocab_size}: a draft must share the target's tokenizer")
+        self.runner = ModelRunner(model, num_blocks, block_size, attention_backend=attention_backend,
+                                  max_model_len=max_model_len, fused_kernels=fused_kernels)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.shadows: dict[int, object] = {}  # target seq_id -> its shadow Sequence
+        self.generators: dict[int, torch.Generator] = {}  # seeded requests: the draft's own draws
+
+    def propose(self, seqs: list, ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ks[i] guesses for seqs[i], and the distributions they were drawn from (None for
+        greedy requests, whose guesses are argmaxes)."""
+        from nanoserve.blocks import blocks_needed
+        from nanoserve.sampling import make_generator, sample
+        from nanoserve.scheduler import Batch, Sequence
+
+        shadows, want, owners = [], [], {}
+        for seq, k in zip(seqs, ks):
+            shadow = self.shadows.get(seq.seq_id)
+            if shadow is None:
+                shadow = self.shadows[seq.seq_id] = Sequence(seq.token_ids, seq.params)
+                generator = make_generator(None if seq.params.seed is None else seq.params.seed + 1,
+                                           self.runner.device)
+                if generator is not None:
+                    self.generators[seq.seq_id] = generator
+            shadow.token_ids = list(seq.token_ids)
+            needed = blocks_needed(len(shadow.token_ids) + k, self.block_size) - len(shadow.block_table)
+            if k and needed <= self.allocator.num_free:  # out of draft blocks: no guess this step
+                for _ in range(max(0, needed)):
+                    shadow.block_table.append(self.allocator.allocate())
+                shadows.append(shadow)
+                want.append(k)
+                owners[id(shadow)] = seq.seq_id
+        drafts: dict[int, list[int]] = {id(s): [] for s in shadows}
+        probs: dict[int, list[torch.Tensor]] = {id(s): [] for s in shadows}
+        active = list(zip(shadows, want))
+        while active:  # round r: every shadow still short of its k runs its new tokens, samples one
+            batch = Batch([s for s, _ in active], [s.num_tokens - s.num_computed for s, _ in active])
+            logits = self.runner.execute(batch)
+            params = [s.params for s, _ in active]
+            generators = [self.generators.get(owners[id(s)]) for s, _ in active]
+            tokens = sample(logits, params, generators).tolist()
+            if not all(p.greedy for p in params):
+                distributions = filtered_logits(logits, params).softmax(dim=-1)
+            for row, ((shadow, k), token) in enumerate(zip(active, tokens)):
+                shadow.num_computed = shadow.num_tokens
+                shadow.token_ids.append(token)
+                drafts[id(shadow)].append(token)
+                if not shadow.params.greedy:
+                    probs[id(shadow)].append(distributions[row])
+            active = [(s, k) for s, k in active if len(drafts[id(s)]) < k]
+        out_drafts, out_probs, by_seq = [], [], {owners[id(s)]: s for s in shadows}
+        for seq in seqs:
+            shadow = by_seq.get(seq.seq_id)
+            out_drafts.append(drafts[id(shadow)] if shadow is not None else [])
+            greedy = shadow is None or seq.params.greedy
+            out_probs.append(None if greedy else torch.stack(probs[id(shadow)]))
+        return out_drafts, out_probs
+
+    def after_step(self, seqs: list, drafts: list[list[int]], live: set[int]) -> None:
+        """After verification: each shadow keeps the K/V of the guesses the target accepted and
+        takes the target's tokens; shadows of finished or aborted sequences are freed."""
+        from nanoserve.blocks import blocks_needed
+
+        for seq, draft in zip(seqs, drafts):
+            shadow = self.shadows.get(seq.seq_id)
+            if shadow is None or not draft:
+                continue
+            old = shadow.token_ids[: len(shadow.token_ids) - len(draft)]  # its tokens before the guesses
+            accepted = 0
+            while accepted < len(draft) and len(old) + accepted < len(seq.token_ids) \
+                    and seq.token_ids[len(old) + accepted] == draft[accepted]:
+                accepted += 1
+            # computed: the old tokens and the guesses fed back in (all but the last), if accepted
+            shadow.num_computed = min(shadow.num_computed, len(old) + accepted, len(seq.token_ids) - 1)
+            shadow.token_ids = list(seq.token_ids)
+            keep = blocks_needed(max(shadow.num_tokens, 1), self.block_size)
+            while len(shadow.block_table) > keep:
+                self.allocator.free(shadow.block_table.pop())
+            shadow.block_table_version += 1
+        for seq_id in [sid for sid in self.shadows if sid not in live]:
+            self.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        shadow = self.shadows.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
+        if shadow is not None:
+            for block in shadow.block_table:
+                self.allocator.free(block)
+
+
+class SpecDecoder:
+    """Speculative decoding inside the engine's loop (week 17): `Engine.step` hands its steps here.
+
+        batch   = scheduler.schedule()                      # as always
+        drafts  = proposer(the batch's decodes)             # k guesses each, or none
+        scheduler.add_drafts(batch, drafts)                 # decodes become k + 1 tokens, k + 1 rows
+        logits  = runner.execute(batch)                     # one target pass over everything
+        tokens  = verify(logits, drafts, ...)               # accepted guesses + one target token
+        scheduler.update(batch, tokens)                     # rejected guesses' K/V rolled back
+
+    Speculation is switched off for a step whose batch has more than `max_batch` decodes: the
+    guesses' extra rows are nearly free only while the step is limited by reading the weights.
+    """
+
+    def __init__(self, engine, method: str, num_tokens: int, max_batch: int, draft_model=None):
+        if method not in ("ngram", "draft"):
+            raise ValueError(f"unknown speculative method {method!r}: choose ngram or draft")
+        if num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        if method == "draft" and draft_model is None:
+            raise ValueError("speculative decoding with a draft model needs --draft-model")
+        self.engine, self.method, self.k, self.max_batch = engine, method, num_tokens, max_batch
+        self.ngram = NgramProposer() if method == "ngram" else None
+        self.draft = None
+        if method == "draft":
+            from nanoserve.blocks import blocks_needed
+            from nanoserve.loader import resolve_model_dir
+
+            runner = engine.runner
+            self.draft = DraftModelProposer(
+                resolve_model_dir(draft_model), dtype=runner.model.embed_tokens.weight.dtype,
+                device=str(runner.device), block_size=runner.cache.block_size,
+                num_blocks=min(engine.scheduler.allocator.num_blocks,
+                               max_batch * blocks_needed(engine.max_model_len, runner.cache.block_size)),
+                max_model_len=engine.max_model_len, attention_backend=engine.attention_backend,
+                fused_kernels=runner.fused, vocab_size=engine.model.config.vocab_size)
+        self.stats = SpecStats()
+
+    def propose(self, batch) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Guesses for the batch's decodes (none for prompts, or for a batch too large)."""
+        decodes = [i for i, (n, m) in enumerate(zip(batch.num_new_tokens, batch.num_samples)) if n == 1 and m == 1]
+        drafts: list[list[int]] = [[] for _ in batch.seqs]
+        probs: list[torch.Tensor | None] = [None for _ in batch.seqs]
+        if not decodes or len(decodes) > self.max_batch:
+            return drafts, probs
+        seqs = [batch.seqs[i] for i in decodes]
+        ks = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1)) for s in seqs]
+        if self.ngram is not None:
+            guessed, guessed_probs = self.ngram.propose_batch([s.token_ids for s in seqs], ks), [None] * len(seqs)
+        else:
+            guessed, guessed_probs = self.draft.propose(seqs, ks)
+        for i, d, p in zip(decodes, guessed, guessed_probs):
+            drafts[i], probs[i] = d, p
+        return drafts, probs
+
+    def step(self):
+        """One engine step with speculation: `Engine.step`'s loop, with guesses verified."""
+        e = self.engine
+        start = time.perf_counter()
+        batch = e.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        drafts, probs = self.propose(batch)
+        drafts = e.scheduler.add_drafts(batch, drafts)  # cut to what fits
+        probs = [None if p is None else p[: len(d)] for p, d in zip(probs, drafts)]
+        try:
+            logits = e.runner.execute(batch)  # [sum(num_samples), vocab]
+        finally:
+            e.scheduler.remove_drafts(batch, drafts)
+        sampled = [i for i, m in enumerate(batch.num_samples) if m]
+        seqs = [batch.seqs[i] for i in sampled]
+        penalized = any(s.params.repetition_penalty != 1.0 for s in seqs)
+        out = verify(logits, [drafts[i] for i in sampled], [s.params for s in seqs],
+                     [e.sampler.generators.get(s.seq_id) for s in seqs],
+                     seen=[s.token_ids for s in seqs] if penalized else None,
+                     draft_probs=[probs[i] for i in sampled])
+        self.stats.add([drafts[i] for i in sampled if drafts[i]], [o for i, o in zip(sampled, out) if drafts[i]])
+        tokens: list[list[int]] = [[] for _ in batch.seqs]
+        for i, o in zip(sampled, out):
+            tokens[i] = o
+        e.scheduler.update(batch, tokens)
+        if self.draft is not None:
+            self.draft.after_step(batch.seqs, drafts, live={s.seq_id for s in e.scheduler.running}
+                                  | {s.seq_id for s in e.scheduler.waiting})
+        e.num_steps += 1
+        if e.trace is not None:
+            from nanoserve.engine import StepRecord
+
+            e.trace.append(StepRecord(e.num_steps - 1, start, time.perf_counter(), [s.seq_id for s in batch.seqs],
+                                      list(batch.num_new_tokens), len(e.scheduler.waiting),
+                                      e.scheduler.allocator.num_used))
+        return [e._process(seq) for seq, n in zip(batch.seqs, batch.num_samples) if n and e._has_output(seq)]

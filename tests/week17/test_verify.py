@@ -1,4 +1,4 @@
-"""Speculative decoding's building blocks: the n-gram proposer, the batched verifier (greedy,
+"""Week 17: speculative decoding's building blocks: the n-gram proposer, the batched verifier (greedy,
 and rejection sampling checked by statistics), and the counters."""
 
 import pytest
