@@ -560,7 +560,7 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
     out = []
     for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "scheduler_policy", "scheduling_policy"):
+                 "scheduler_policy", "scheduling_policy", "speculative", "draft_model"):
         value = getattr(args, name)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
@@ -568,16 +568,20 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
              ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching),
              ("--no-enable-prefix-caching", args.enable_prefix_caching is False),
              ("--enable-chunked-prefill", args.enable_chunked_prefill)]
+    if args.speculative:
+        out += ["--num-speculative-tokens", str(args.num_speculative_tokens),
+                "--speculative-max-batch", str(args.speculative_max_batch), "--ngram-min", str(args.ngram_min)]
     return out + [flag for flag, on in flags if on]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from nanoserve import bench_prefix
+    from nanoserve import bench_prefix, bench_spec
     from nanoserve.capstone import TRACKS
     from nanoserve.engine import EngineConfig
 
-    p.add_argument("what", choices=["latency", "throughput", "serving", "prefix", "all"],
-                   help="all: latency, throughput and serving; prefix: week 14's prefix-caching workloads")
+    p.add_argument("what", choices=["latency", "throughput", "serving", "prefix", "spec", "all"],
+                   help="all: latency, throughput and serving; prefix: week 14's prefix-caching workloads; "
+                        "spec: week 17's speculative decoding at batch 1")
     p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HuggingFace side-by-side runs")
@@ -598,14 +602,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", choices=sorted(TRACKS), default=None,
                    help="serving: run a capstone track's workload and check its targets (weeks/capstone/README.md)")
     bench_prefix.add_arguments(p)
+    bench_spec.add_arguments(p)
     EngineConfig.add_arguments(p)  # the engine's own options: --model, --device, --max-num-seqs, ...
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanoserve import bench_prefix
+    from nanoserve import bench_prefix, bench_spec
 
     if args.quick:
-        for key, value in (QUICK | bench_prefix.QUICK).items():
+        for key, value in (QUICK | bench_prefix.QUICK | bench_spec.QUICK).items():
             setattr(args, key, value)
     args.prompt_range = args.output_range = tuple(args.lengths)
     args.serving_output_range = tuple(args.output_len)
@@ -616,5 +621,5 @@ def run(args: argparse.Namespace) -> int:
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
     for what in todo:
         {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving,
-         "prefix": bench_prefix.bench_prefix}[what](args)
+         "prefix": bench_prefix.bench_prefix, "spec": bench_spec.bench_spec}[what](args)
     return 0

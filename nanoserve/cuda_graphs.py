@@ -15,6 +15,12 @@ What is captured is `Llama.forward` itself, over the Triton paged context built 
 buffers (with the fused kernels behind its modules): the graph runs the very code an eager step
 runs. Prefill steps, and batches larger than the largest size, run eagerly.
 
+Week 17 adds verification steps of speculative decoding: every sequence runs q = 1 + k tokens
+(its last token and k guesses) and samples all q rows. With `verify_tokens` > 0, one more graph
+is captured per q in 2 .. verify_tokens + 1 and batch size up to `verify_batch`, over buffers of
+their own (q tokens per sequence, `query_start_loc` = 0, q, 2q, ...). A verification step whose
+sequences all have the same number of guesses replays one; others run eagerly.
+
 Once the GPU work is one replay, the host work around it is what is left, so the step's
 `StepInput` is staged without per-step allocation: into pinned host mirrors of the buffers (the
 copies are then asynchronous) with plain Python and NumPy, sent with one copy for the four
@@ -52,7 +58,8 @@ class CUDAGraphDecoder:
     """Captures one decode graph per batch size and replays it with fresh inputs."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int, max_batch: int,
-                 context_class: type[PagedContext], fused: bool, capture: bool | None = None):
+                 context_class: type[PagedContext], fused: bool, capture: bool | None = None,
+                 verify_tokens: int = 0, verify_batch: int = 0):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.context_class, self.fused = context_class, fused
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
@@ -76,6 +83,19 @@ class CUDAGraphDecoder:
         self.row_owner: list[tuple | None] = [None] * n  # which table each host row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # Week 17: verification steps, q tokens per sequence.
+        self.verify_sizes = [s for s in self.sizes if s <= verify_batch] if verify_tokens else []
+        self.verify_q = list(range(2, verify_tokens + 2)) if self.verify_sizes else []
+        if self.verify_sizes:
+            vb, vq = self.verify_sizes[-1], self.verify_q[-1]
+            self.vinputs = torch.zeros(3, vb * vq, dtype=torch.long, device=device)  # ids, positions, slots
+            self.vinputs[2] = self.scratch_slot
+            self.vcontext = torch.ones(vb, dtype=torch.long, device=device)
+            self.vstarts = {q: torch.arange(0, (vb + 1) * q, q, dtype=torch.int32, device=device) for q in self.verify_q}
+            self.host_vinputs = self.vinputs.cpu().pin_memory() if pin else self.vinputs.clone()
+            self.host_vcontext = self.vcontext.cpu().pin_memory() if pin else self.vcontext.clone()
+        self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.verify_logits: dict[tuple[int, int], torch.Tensor] = {}
         if self.capture:
             self._capture()
 
@@ -88,17 +108,31 @@ class CUDAGraphDecoder:
         hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
         return self.model.compute_logits(hidden)
 
+    def _forward_verify(self, bs: int, q: int) -> torch.Tensor:
+        """Week 17: the forward pass for `bs` sequences of q new tokens each, all rows sampled."""
+        input_ids, positions, slots = self.vinputs[:, : bs * q]
+        meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.vstarts[q][: bs + 1],
+                                      context_lens=self.vcontext[:bs], block_tables=self.block_tables[:bs],
+                                      max_query_len=q, max_context_len=self.max_model_len)
+        hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
+        return self.model.compute_logits(hidden)
+
     @torch.no_grad()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self._forward(bs)  # warm up: compiles kernels, moves lazily-placed tensors
+        shapes = [(bs, 1) for bs in self.sizes] + [(bs, q) for bs in self.verify_sizes for q in self.verify_q]
+        for bs, q in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: the others reuse its pool
+            forward = (lambda: self._forward(bs)) if q == 1 else (lambda: self._forward_verify(bs, q))
+            forward()  # warm up: compiles kernels, moves lazily-placed tensors
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
+                logits = forward()
             pool = graph.pool()
-            self.graphs[bs] = graph
+            if q == 1:
+                self.graphs[bs], self.logits[bs] = graph, logits
+            else:
+                self.verify_graphs[bs, q], self.verify_logits[bs, q] = graph, logits
         torch.cuda.synchronize()
 
     def fits(self, batch_size: int) -> bool:
@@ -133,6 +167,51 @@ class CUDAGraphDecoder:
         self.block_tables[:bs, :width].copy_(staged.view(bs, width))
         return bs
         # <<< week12: stage-inputs
+
+    def verify_shape(self, step: StepInput) -> int | None:
+        """Week 17: q if `step` is a verification step a graph was captured for (every sequence
+        runs q new tokens and samples all of them), else None."""
+        n, q = step.num_seqs, len(step.input_ids) // max(1, step.num_seqs)
+        if not self.verify_sizes or q not in self.verify_q or n > self.verify_sizes[-1] \
+                or len(step.sample_rows) != n * q or step.query_start_loc != list(range(0, n * q + 1, q)):
+            return None
+        return q
+
+    def stage_verify(self, step: StepInput, q: int) -> int:
+        """`stage` for a verification step: q tokens per sequence. Padding sequences run q tokens
+        at positions 0 .. q - 1, all written to the scratch slot."""
+        n = step.num_seqs
+        bs = padded_size(n, self.verify_sizes)
+        width = 1
+        for i, (table, table_id) in enumerate(zip(step.block_tables, step.table_ids)):
+            width = max(width, len(table))
+            if self.row_owner[i] != (table_id, len(table)):
+                self.host_tables[i, : len(table)] = table
+                self.row_owner[i] = (table_id, len(table))
+        pad = (bs - n) * q
+        host = self.host_vinputs.numpy()
+        host[0, : bs * q] = step.input_ids + [0] * pad
+        host[1, : bs * q] = step.positions + list(range(q)) * (bs - n)
+        host[2, : bs * q] = step.slot_mapping + [self.scratch_slot] * pad
+        self.host_vcontext.numpy()[:bs] = step.context_lens + [q] * (bs - n)
+        self.vinputs.copy_(self.host_vinputs, non_blocking=True)
+        self.vcontext.copy_(self.host_vcontext, non_blocking=True)
+        compact = self.host_compact[: bs * width]
+        compact.numpy().reshape(bs, width)[:] = self.host_tables[:bs, :width]
+        staged = self.tables_staging[: bs * width]
+        staged.copy_(compact, non_blocking=True)
+        self.block_tables[:bs, :width].copy_(staged.view(bs, width))
+        return bs
+
+    @torch.no_grad()
+    def run_verify(self, step: StepInput, q: int) -> torch.Tensor:
+        """One verification step -> logits [n * q, vocab]."""
+        bs = self.stage_verify(step, q)
+        rows = step.num_seqs * q
+        if not self.capture:
+            return self._forward_verify(bs, q)[:rows]
+        self.verify_graphs[bs, q].replay()
+        return self.verify_logits[bs, q][:rows]
 
     @torch.no_grad()
     def run(self, step: StepInput) -> torch.Tensor:

@@ -145,7 +145,8 @@ class EngineConfig:
     speculative: str | None = None  # week 17: "ngram" (prompt lookup) or "draft" (a smaller model); None: off
     num_speculative_tokens: int = 4  # guesses per decode and step
     draft_model: str | os.PathLike | None = None  # speculative="draft": the draft's checkpoint (same tokenizer)
-    speculative_max_batch: int = 8  # no guesses in a step with more decodes than this
+    speculative_max_batch: int = 2  # no guesses in a step with more decodes than this (measured: docs/benchmarks.md)
+    ngram_min: int = 2  # speculative="ngram": the shortest suffix (in tokens) worth looking up
     trace: bool = False  # keep a StepRecord per step
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
@@ -189,8 +190,10 @@ class EngineConfig:
                             "verified in one target pass (default: off)")
         p.add_argument("--num-speculative-tokens", type=int, default=4, help="guesses per decode step (default: 4)")
         p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model (same tokenizer)")
-        p.add_argument("--speculative-max-batch", type=int, default=8,
-                       help="no speculation in steps with more decodes than this (default: 8)")
+        p.add_argument("--speculative-max-batch", type=int, default=2,
+                       help="no speculation in steps with more decodes than this (default: 2)")
+        p.add_argument("--ngram-min", type=int, default=2,
+                       help="--speculative ngram: the shortest suffix worth looking up, in tokens (default: 2)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
@@ -208,7 +211,7 @@ class EngineConfig:
                    enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
                    scheduling_policy=args.scheduling_policy, speculative=args.speculative,
                    num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-                   speculative_max_batch=args.speculative_max_batch,
+                   speculative_max_batch=args.speculative_max_batch, ngram_min=args.ngram_min,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization)
 
@@ -232,6 +235,8 @@ class Engine:
             and self.attention_backend == "triton"
         runner_args = dict(attention_backend=self.attention_backend, cuda_graphs=use_graphs,
                            max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
+                           verify_tokens=c.num_speculative_tokens if c.speculative else 0,
+                           verify_batch=c.speculative_max_batch,
                            fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
         self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
@@ -257,7 +262,7 @@ class Engine:
             from nanoserve.speculative import SpecDecoder
 
             self.speculator = SpecDecoder(self, c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
-                                          draft_model=c.draft_model)
+                                          draft_model=c.draft_model, ngram_min=c.ngram_min)
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
@@ -333,6 +338,15 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def spec_stats(self) -> dict | None:
+        """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
+        verified, acceptance rate, tokens per target step), or None without speculation."""
+        if self.speculator is None:
+            return None
+        s = self.speculator.stats
+        return dict(proposed=s.num_proposed, accepted=s.num_accepted, emitted=s.num_emitted, steps=s.num_steps,
+                    acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step)
 
     def prefix_cache_stats(self) -> dict | None:
         """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
@@ -514,6 +528,9 @@ class AsyncEngine:
         prefix = self.engine.prefix_cache_stats()
         if prefix is not None:
             stats["prefix_cache"] = prefix
+        spec = self.engine.spec_stats()
+        if spec is not None:
+            stats["speculative"] = spec
         return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:

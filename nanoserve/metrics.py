@@ -135,6 +135,11 @@ class EngineCollector:
             yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", p["lookup_tokens"])
             yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", p["hit_tokens"])
             yield counter("prefix_cache_evictions", "Cached blocks evicted", p["evictions"])
+        if "speculative" in s:  # week 17, when it is on
+            p = s["speculative"]
+            yield counter("spec_decode_num_draft_tokens", "Guessed tokens sent to verification", p["proposed"])
+            yield counter("spec_decode_num_accepted_tokens", "Guessed tokens the target accepted", p["accepted"])
+            yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification steps", p["emitted"])
 
 
 class RequestLog:

@@ -51,7 +51,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0):
         self.model = model
         self.device = model.embed_tokens.weight.device
         cfg = model.config
@@ -77,7 +77,8 @@ class ModelRunner:
             from nanoserve.cuda_graphs import CUDAGraphDecoder
 
             self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
-                                           self.context_class, fused=self.fused)
+                                           self.context_class, fused=self.fused, verify_tokens=verify_tokens,
+                                           verify_batch=verify_batch)
 
     @classmethod
     @torch.no_grad()
@@ -146,6 +147,9 @@ class ModelRunner:
         step = self.step_input(batch)
         if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
             return self.graphs.run(step)  # week 12: one replay
+        q = self.graphs.verify_shape(step) if self.graphs is not None else None
+        if q is not None:
+            return self.graphs.run_verify(step, q)  # week 17: a verification step, one replay
         input_ids, positions, ctx = self.prepare(step)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)

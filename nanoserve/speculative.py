@@ -119,6 +119,18 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
     starts = [0]  # the first row of each sequence
     for n in num_rows[:-1]:
         starts.append(starts[-1] + n)
+    if seen is None and all(p.greedy for p in params):
+        # All greedy, no penalty: the argmax of every row, one small copy, and the comparison
+        # on the host. (The general path below gives the same tokens with a dozen more kernels,
+        # which at batch 1 cost a tenth of a decode step.)
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for d, first in zip(drafts, starts):
+            n = 0
+            while n < len(d) and d[n] == target[first + n]:
+                n += 1
+            out.append(d[:n] + [target[first + n]])
+        return out
 
     # One row per (sequence, position), described on the host.
     row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
@@ -398,7 +410,7 @@ class SpecDecoder:
     guesses' extra rows are nearly free only while the step is limited by reading the weights.
     """
 
-    def __init__(self, engine, method: str, num_tokens: int, max_batch: int, draft_model=None):
+    def __init__(self, engine, method: str, num_tokens: int, max_batch: int, draft_model=None, ngram_min: int = 2):
         if method not in ("ngram", "draft"):
             raise ValueError(f"unknown speculative method {method!r}: choose ngram or draft")
         if num_tokens < 1:
@@ -406,7 +418,9 @@ class SpecDecoder:
         if method == "draft" and draft_model is None:
             raise ValueError("speculative decoding with a draft model needs --draft-model")
         self.engine, self.method, self.k, self.max_batch = engine, method, num_tokens, max_batch
-        self.ngram = NgramProposer() if method == "ngram" else None
+        # Guesses from tokens alone: anything with `propose_batch(token_lists, ks)` (the benchmark
+        # plugs in an oracle here); or from the draft model, with the distributions drawn from.
+        self.proposer = NgramProposer(min_n=ngram_min) if method == "ngram" else None
         self.draft = None
         if method == "draft":
             from nanoserve.blocks import blocks_needed
@@ -431,13 +445,28 @@ class SpecDecoder:
             return drafts, probs
         seqs = [batch.seqs[i] for i in decodes]
         ks = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1)) for s in seqs]
-        if self.ngram is not None:
-            guessed, guessed_probs = self.ngram.propose_batch([s.token_ids for s in seqs], ks), [None] * len(seqs)
+        if self.draft is None:
+            guessed, guessed_probs = self.proposer.propose_batch([s.token_ids for s in seqs], ks), [None] * len(seqs)
         else:
             guessed, guessed_probs = self.draft.propose(seqs, ks)
+        graphs = self.engine.runner.graphs
+        if graphs is not None and graphs.verify_sizes and any(guessed):
+            # A verification step replays a CUDA graph only if every sequence runs the same number
+            # of tokens: fill short guesses up (repeating the last token). A filler guess is a
+            # guess like any other, checked like any other; on a GPU at small batch it costs
+            # next to nothing, and it keeps the step on a graph.
+            guessed = [g + [(g or s.token_ids)[-1]] * (k - len(g)) for g, s, k in zip(guessed, seqs, ks)]
         for i, d, p in zip(decodes, guessed, guessed_probs):
             drafts[i], probs[i] = d, p
         return drafts, probs
+
+    def verify(self, logits, drafts, seqs, probs) -> list[list[int]]:
+        """The tokens each sampled sequence appends (the benchmark overrides this to force
+        acceptance, for the ceiling)."""
+        penalized = any(s.params.repetition_penalty != 1.0 for s in seqs)
+        return verify(logits, drafts, [s.params for s in seqs],
+                      [self.engine.sampler.generators.get(s.seq_id) for s in seqs],
+                      seen=[s.token_ids for s in seqs] if penalized else None, draft_probs=probs)
 
     def step(self):
         """One engine step with speculation: `Engine.step`'s loop, with guesses verified."""
@@ -455,11 +484,7 @@ class SpecDecoder:
             e.scheduler.remove_drafts(batch, drafts)
         sampled = [i for i, m in enumerate(batch.num_samples) if m]
         seqs = [batch.seqs[i] for i in sampled]
-        penalized = any(s.params.repetition_penalty != 1.0 for s in seqs)
-        out = verify(logits, [drafts[i] for i in sampled], [s.params for s in seqs],
-                     [e.sampler.generators.get(s.seq_id) for s in seqs],
-                     seen=[s.token_ids for s in seqs] if penalized else None,
-                     draft_probs=[probs[i] for i in sampled])
+        out = self.verify(logits, [drafts[i] for i in sampled], seqs, [probs[i] for i in sampled])
         self.stats.add([drafts[i] for i in sampled if drafts[i]], [o for i, o in zip(sampled, out) if drafts[i]])
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         for i, o in zip(sampled, out):

@@ -42,7 +42,7 @@ def reference():
 
 def speculative(method, draft_dir=None, **kw):
     config = dict(model="tiny", device="cpu", dtype=torch.float32, speculative=method,
-                  num_speculative_tokens=kw.pop("k", 3))
+                  num_speculative_tokens=kw.pop("k", 3), speculative_max_batch=8)
     if method == "draft":
         config["draft_model"] = draft_dir
     return LLM(EngineConfig(**(config | kw)))
@@ -148,3 +148,41 @@ def test_bad_settings_are_refused():
         speculative("medusa")
     with pytest.raises(ValueError, match=">= 1"):
         speculative("ngram", k=0)
+
+
+def test_verification_steps_replay_the_graph_path(reference, monkeypatch):
+    """With CUDA graphs, a verification step whose sequences all run the same number of tokens
+    goes through the static buffers (captured graphs on a GPU; on the CPU the same buffers and
+    padding feed an eager pass). Tokens unchanged."""
+    from nanoserve.cuda_graphs import CUDAGraphDecoder
+
+    calls = []
+    run_verify = CUDAGraphDecoder.run_verify
+    monkeypatch.setattr(CUDAGraphDecoder, "run_verify",
+                        lambda self, step, q: calls.append((step.num_seqs, q)) or run_verify(self, step, q))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = speculative("ngram", attention_backend="triton", cuda_graphs=True, device=device, k=2,
+                      speculative_max_batch=4)
+    outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference[p][:12] for p in PROMPTS[:3]]
+    assert calls and {q for _, q in calls} <= {2, 3} and any(n == 3 for n, _ in calls)  # batch 3 padded to 4
+
+
+def test_the_counters_reach_metrics_over_http():
+    """Week 16's /metrics exports the speculation counters: the same figures as the engine's."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoserve.testing import ServerThread
+
+    kwargs = dict(speculative="ngram", num_speculative_tokens=3, dtype=torch.float32)
+    with ServerThread(engine_kwargs=kwargs) as server:
+        body = dict(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0, ignore_eos=True)
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(server.url + "/metrics").text
+        stats = server.engine.spec_stats()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["nanoserve:spec_decode_num_draft_tokens_total"] == stats["proposed"] > 0
+    assert samples["nanoserve:spec_decode_num_accepted_tokens_total"] == stats["accepted"] > 0
+    assert samples["nanoserve:spec_decode_num_emitted_tokens_total"] == stats["emitted"]
+    assert stats["tokens_per_step"] > 1
