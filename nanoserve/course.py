@@ -110,11 +110,19 @@ def source_files(package: Path = PACKAGE_DIR) -> list[Path]:
                   if "__pycache__" not in p.parts and p.name != "course.py")
 
 
+def stubbed_weeks(package: Path | None = None) -> frozenset[int]:
+    """The weeks with an exercise still a stub in the `nanoserve` package that is running (or in
+    `package`): none in the reference; in a learner's workspace, the weeks not written yet.
+    Features that are on by default from a bonus week on (week 14's prefix caching) stay off
+    until that week is done. (The workspace has no copy of this file, so the package is found
+    from `nanoserve` itself, not from here.)"""
+    import nanoserve
+
+    return _stubbed_weeks(package or Path(nanoserve.__file__).resolve().parent)
+
+
 @functools.lru_cache(maxsize=None)
-def stubbed_weeks(package: Path = PACKAGE_DIR) -> frozenset[int]:
-    """The weeks with an exercise still a stub in this copy of the package: none in the
-    reference; in a learner's workspace, the weeks not written yet. Features that are on by
-    default from a bonus week on (week 14's prefix caching) stay off until that week is done."""
+def _stubbed_weeks(package: Path) -> frozenset[int]:
     stub = re.compile(r'raise NotImplementedError\("week (\d\d) exercise')
     return frozenset(int(m.group(1)) for rel in source_files(package)
                      for m in stub.finditer((package / rel).read_text()))
