@@ -21,6 +21,12 @@ is captured per q in 2 .. verify_tokens + 1 and batch size up to `verify_batch`,
 their own (q tokens per sequence, `query_start_loc` = 0, q, 2q, ...). A verification step whose
 sequences all have the same number of guesses replays one; others run eagerly.
 
+Week 15's mixed steps (with chunked prefill: the decodes and a prompt chunk, up to the token
+budget) get graphs too, with `mixed_tokens` > 0: one per token count in `MIXED_SIZES` up to the
+budget. A step is padded up to the next count: its sequences first, then one padding sequence
+holding the spare tokens (written to the scratch slot), then empty ones up to a fixed number of
+sequences. Only the sampled rows go through the LM head, gathered by an index buffer.
+
 Once the GPU work is one replay, the host work around it is what is left, so the step's
 `StepInput` is staged without per-step allocation: into pinned host mirrors of the buffers (the
 copies are then asynchronous) with plain Python and NumPy, sent with one copy for the four
@@ -45,6 +51,7 @@ if TYPE_CHECKING:
     from nanoserve.runner import StepInput
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+MIXED_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # week 15: tokens in a mixed step
 
 
 def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
@@ -59,7 +66,7 @@ class CUDAGraphDecoder:
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int, max_batch: int,
                  context_class: type[PagedContext], fused: bool, capture: bool | None = None,
-                 verify_tokens: int = 0, verify_batch: int = 0):
+                 verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.context_class, self.fused = context_class, fused
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
@@ -72,15 +79,16 @@ class CUDAGraphDecoder:
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
         self.inputs[2] = self.scratch_slot
         self.inputs[3] = 1
-        self.block_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32, device=device)
+        # One row more than the largest batch: a mixed step's padding sequence (week 15).
+        self.block_tables = torch.full((n + 1, self.max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
         self.tables_staging = torch.empty(n * self.max_blocks, dtype=torch.int32, device=device)
         # Host mirrors. Pinned memory lets the copies run asynchronously.
         pin = device.type == "cuda"
         self.host_inputs = self.inputs.cpu().pin_memory() if pin else self.inputs.clone()
-        self.host_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.int32).numpy()
+        self.host_tables = torch.full((n + 1, self.max_blocks), scratch_block, dtype=torch.int32).numpy()
         self.host_compact = torch.empty(n * self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.row_owner: list[tuple | None] = [None] * n  # which table each host row holds
+        self.row_owner: list[tuple | None] = [None] * (n + 1)  # which table each host row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         # Week 17: verification steps, q tokens per sequence.
@@ -96,6 +104,18 @@ class CUDAGraphDecoder:
             self.host_vcontext = self.vcontext.cpu().pin_memory() if pin else self.vcontext.clone()
         self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.verify_logits: dict[tuple[int, int], torch.Tensor] = {}
+        # Week 15: mixed steps, up to `mixed_tokens` tokens and n sequences (+ 1 for padding).
+        self.mixed_sizes = [t for t in MIXED_SIZES if t < mixed_tokens] + [mixed_tokens] if mixed_tokens else []
+        if self.mixed_sizes:
+            t, seqs = self.mixed_sizes[-1], n + 1
+            self.minputs = torch.zeros(3, t, dtype=torch.long, device=device)  # ids, positions, slots
+            self.mseqs = torch.zeros(2, seqs, dtype=torch.long, device=device)  # context lengths, sampled rows
+            self.mstarts = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+            self.host_minputs = self.minputs.cpu().pin_memory() if pin else self.minputs.clone()
+            self.host_mseqs = self.mseqs.cpu().pin_memory() if pin else self.mseqs.clone()
+            self.host_mstarts = self.mstarts.cpu().pin_memory() if pin else self.mstarts.clone()
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_logits: dict[int, torch.Tensor] = {}
         if self.capture:
             self._capture()
 
@@ -117,19 +137,35 @@ class CUDAGraphDecoder:
         hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
         return self.model.compute_logits(hidden)
 
+    def _forward_mixed(self, t: int) -> torch.Tensor:
+        """Week 15: the forward pass of a mixed step padded to t tokens; logits of the sampled rows."""
+        input_ids, positions, slots = self.minputs[:, :t]
+        context_lens, sampled = self.mseqs
+        meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.mstarts, context_lens=context_lens,
+                                      block_tables=self.block_tables, max_query_len=t,
+                                      max_context_len=self.max_model_len)
+        hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
+        return self.model.compute_logits(hidden[sampled])
+
     @torch.no_grad()
     def _capture(self) -> None:
         pool = None
         shapes = [(bs, 1) for bs in self.sizes] + [(bs, q) for bs in self.verify_sizes for q in self.verify_q]
-        for bs, q in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: the others reuse its pool
-            forward = (lambda: self._forward(bs)) if q == 1 else (lambda: self._forward_verify(bs, q))
+        shapes += [(t, 0) for t in self.mixed_sizes]  # q = 0 marks a mixed step of t tokens
+        for bs, q in sorted(shapes, key=lambda s: -s[0] * max(s[1], 1)):  # largest first: the others reuse its pool
+            if q == 0:
+                forward = lambda: self._forward_mixed(bs)  # noqa: E731
+            else:
+                forward = (lambda: self._forward(bs)) if q == 1 else (lambda: self._forward_verify(bs, q))
             forward()  # warm up: compiles kernels, moves lazily-placed tensors
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward()
             pool = graph.pool()
-            if q == 1:
+            if q == 0:
+                self.mixed_graphs[bs], self.mixed_logits[bs] = graph, logits
+            elif q == 1:
                 self.graphs[bs], self.logits[bs] = graph, logits
             else:
                 self.verify_graphs[bs, q], self.verify_logits[bs, q] = graph, logits
@@ -182,12 +218,6 @@ class CUDAGraphDecoder:
         at positions 0 .. q - 1, all written to the scratch slot."""
         n = step.num_seqs
         bs = padded_size(n, self.verify_sizes)
-        width = 1
-        for i, (table, table_id) in enumerate(zip(step.block_tables, step.table_ids)):
-            width = max(width, len(table))
-            if self.row_owner[i] != (table_id, len(table)):
-                self.host_tables[i, : len(table)] = table
-                self.row_owner[i] = (table_id, len(table))
         pad = (bs - n) * q
         host = self.host_vinputs.numpy()
         host[0, : bs * q] = step.input_ids + [0] * pad
@@ -196,12 +226,23 @@ class CUDAGraphDecoder:
         self.host_vcontext.numpy()[:bs] = step.context_lens + [q] * (bs - n)
         self.vinputs.copy_(self.host_vinputs, non_blocking=True)
         self.vcontext.copy_(self.host_vcontext, non_blocking=True)
-        compact = self.host_compact[: bs * width]
-        compact.numpy().reshape(bs, width)[:] = self.host_tables[:bs, :width]
-        staged = self.tables_staging[: bs * width]
-        staged.copy_(compact, non_blocking=True)
-        self.block_tables[:bs, :width].copy_(staged.view(bs, width))
+        self._stage_tables(step, bs)
         return bs
+
+    def _stage_tables(self, step: StepInput, rows: int) -> None:
+        """The block tables of a verification or mixed step, as `stage` sends a decode step's:
+        host rows rewritten only where the table changed, the [rows, width] corner sent packed."""
+        width = 1
+        for i, (table, table_id) in enumerate(zip(step.block_tables, step.table_ids)):
+            width = max(width, len(table))
+            if self.row_owner[i] != (table_id, len(table)):
+                self.host_tables[i, : len(table)] = table
+                self.row_owner[i] = (table_id, len(table))
+        compact = self.host_compact[: rows * width]
+        compact.numpy().reshape(rows, width)[:] = self.host_tables[:rows, :width]
+        staged = self.tables_staging[: rows * width]
+        staged.copy_(compact, non_blocking=True)
+        self.block_tables[:rows, :width].copy_(staged.view(rows, width))
 
     @torch.no_grad()
     def run_verify(self, step: StepInput, q: int) -> torch.Tensor:
@@ -212,6 +253,42 @@ class CUDAGraphDecoder:
             return self._forward_verify(bs, q)[:rows]
         self.verify_graphs[bs, q].replay()
         return self.verify_logits[bs, q][:rows]
+
+    def mixed_size(self, step: StepInput) -> int | None:
+        """Week 15: the token count of the mixed-step graph `step` fits, or None."""
+        seqs = self.mseqs.shape[1] if self.mixed_sizes else 0
+        if not self.mixed_sizes or step.num_seqs >= seqs or len(step.sample_rows) > seqs:
+            return None
+        return next((t for t in self.mixed_sizes if t >= len(step.input_ids)), None)
+
+    def stage_mixed(self, step: StepInput, t: int) -> None:
+        """Copy a mixed step into the buffers of the t-token graph. Sequences 0..n-1 are the
+        step's; sequence n takes the t - R spare tokens (positions 0.., the scratch slot); the
+        rest are empty. Block-table rows as in `stage`."""
+        n, real, seqs = step.num_seqs, len(step.input_ids), self.mseqs.shape[1]
+        spare = t - real
+        host = self.host_minputs.numpy()
+        host[0, :t] = step.input_ids + [0] * spare
+        host[1, :t] = step.positions + list(range(spare))
+        host[2, :t] = step.slot_mapping + [self.scratch_slot] * spare
+        per_seq = self.host_mseqs.numpy()
+        per_seq[0] = step.context_lens + [max(spare, 1)] + [1] * (seqs - n - 1)
+        per_seq[1] = step.sample_rows + [0] * (seqs - len(step.sample_rows))
+        self.host_mstarts.numpy()[:] = step.query_start_loc + [t] * (seqs - n)
+        self.minputs.copy_(self.host_minputs, non_blocking=True)
+        self.mseqs.copy_(self.host_mseqs, non_blocking=True)
+        self.mstarts.copy_(self.host_mstarts, non_blocking=True)
+        self._stage_tables(step, n)
+
+    @torch.no_grad()
+    def run_mixed(self, step: StepInput, t: int) -> torch.Tensor:
+        """One mixed step -> logits of its sampled rows [len(step.sample_rows), vocab]."""
+        self.stage_mixed(step, t)
+        rows = len(step.sample_rows)
+        if not self.capture:
+            return self._forward_mixed(t)[:rows]
+        self.mixed_graphs[t].replay()
+        return self.mixed_logits[t][:rows]
 
     @torch.no_grad()
     def run(self, step: StepInput) -> torch.Tensor:

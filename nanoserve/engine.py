@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import os
 import time
@@ -25,7 +26,7 @@ from nanoserve.cache import PagedKVCache
 from nanoserve.kernels import select_backend
 from nanoserve.loader import load_model, resolve_model_dir
 from nanoserve.runner import ModelRunner
-from nanoserve.sampling import Sampler, SamplingParams
+from nanoserve.sampling import Sampler, SamplingParams, TokenLogprob
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -61,6 +62,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     delta: str = ""  # the text this step added (for streaming)
     metrics: RequestMetrics | None = None  # on the finished output only
+    # Issue 17, when the request asks (SamplingParams.logprobs, .prompt_logprobs):
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids
+    delta_logprobs: list[TokenLogprob] | None = None  # those of the tokens whose text `delta` completes
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token (the first: logprob None)
 
 
 @dataclass
@@ -86,10 +91,21 @@ class _Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = True  # False: no output until the end, and the text is decoded once
     cut: bool = False  # the text was cut at a stop string
+    # Issue 17: the logprobs of the output tokens so far (None: not asked), how many of them were
+    # delivered, and, per token given to add_token, the length of `text` once its text is there.
+    logprobs: list[TokenLogprob] | None = None
+    num_delivered: int = 0
+    ends: list[int] = field(default_factory=list)
+    num_added: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add_token(self, token: int) -> bool:
         """The sequence's stop checker: decode one more token, True once a stop string appeared."""
-        self.text += self.detok.add(token)
+        piece = self.detok.add(token)
+        self.text += piece
+        self.num_added += 1
+        if piece:  # this token's text is here, and that of the tokens before it that had none yet
+            self.ends += [len(self.text)] * (self.num_added - len(self.ends))
         return self.cut_at_stop_string()
 
     def cut_at_stop_string(self) -> bool:
@@ -133,7 +149,8 @@ class EngineConfig:
     num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the pool; default: measured on a GPU (below), 256 MiB on the CPU
     max_num_seqs: int = 256  # sequences running at once
-    max_num_batched_tokens: int = 8192  # tokens through the model per step
+    max_num_batched_tokens: int | None = None  # tokens through the model per step; default: 8192, or 2048 with
+    # chunked prefill (week 15: measured on an H100, docs/benchmarks.md)
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
     scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
@@ -151,6 +168,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -171,7 +192,8 @@ class EngineConfig:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="share of the GPU's memory for weights, activations, graphs and the KV pool")
         p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-        p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per engine step (default: 8192; 2048 with --enable-chunked-prefill)")
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
         p.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
                        help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
@@ -237,6 +259,7 @@ class Engine:
                            max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
                            verify_tokens=c.num_speculative_tokens if c.speculative else 0,
                            verify_batch=c.speculative_max_batch,
+                           mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
                            fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
         self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
         num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
@@ -314,12 +337,17 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        vocab_size = self.model.config.vocab_size
+        if any(t >= vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary is {vocab_size}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
         seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None,
                        priority=priority)
         self.scheduler.add(seq)
-        self.sampler.add(seq.seq_id, params)
+        self.sampler.add(seq.seq_id, params, seq.prompt_len)
+        if params.logprobs is not None:
+            req.logprobs = []
         self.requests[seq.seq_id] = req
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
@@ -333,6 +361,7 @@ class Engine:
         seq = self.sequences.pop(request_id)
         self.scheduler.finish(seq, "abort")
         self.sampler.release(request_id)
+        self.runner.prompt_logprobs.pop(request_id, None)
         return RequestOutput(request_id, seq.prompt_ids, seq.output_ids, req.text, True, "abort",
                              metrics=RequestMetrics.of(seq))
 
@@ -357,8 +386,9 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that got a token."""
-        if self.speculator is not None:  # week 17: the same loop, with guesses verified
-            return self.speculator.step()
+        if not self._speculation_paused():
+            if self.speculator is not None:  # week 17: the same loop, with guesses verified
+                return self.speculator.step()
         # >>> week05: engine-step
         start = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -382,6 +412,15 @@ class Engine:
         return [self._process(seq) for seq, n in zip(seqs, batch.num_samples) if n and self._has_output(seq)]
         # <<< week05: engine-step
 
+    def _speculation_paused(self) -> bool:
+        """Issue 17: verification (week 17) samples with neither the raw logits at hand for
+        logprobs, nor the output tokens for presence and frequency penalties, and its greedy path
+        skips `logit_bias`. So while a request asking for any of these is in the engine, every
+        step is a plain one: no guesses, for anybody."""
+        return self.speculator is not None and any(
+            p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty
+            or p.logit_bias for p in (s.params for s in self.sequences.values()))
+
     def _has_output(self, seq: Sequence) -> bool:
         req = self.requests.get(seq.seq_id)  # None: aborted meanwhile
         return req is not None and (req.stream or seq.is_finished)
@@ -401,13 +440,30 @@ class Engine:
         # Deliver text that can no longer turn out to be the start of a stop string.
         end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
         delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
+        logprobs = self._take_logprobs(seq, req)
         metrics = None
         if seq.is_finished:
             del self.requests[seq.seq_id], self.sequences[seq.seq_id]
             self.sampler.release(seq.seq_id)
+            self.runner.prompt_logprobs.pop(seq.seq_id, None)
             metrics = RequestMetrics.of(seq)
         return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
-                             seq.is_finished, seq.finish_reason, delta, metrics)
+                             seq.is_finished, seq.finish_reason, delta, metrics, *logprobs)
+
+    def _take_logprobs(self, seq: Sequence, req: _Request) -> tuple:
+        """Issue 17: (all output logprobs so far, those `delta` delivers, the prompt's) for a
+        request that asked, else Nones. A token goes out with the delta that completes its text
+        (`req.ends`): one whose text is held back (a possible stop string, half a character, a
+        special token with no text) waits for it, and at the end every token goes out, the stop
+        token and any past a stop string included. So the deltas' logprobs add up to `logprobs`."""
+        if seq.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = self.runner.take_prompt_logprobs(seq)  # its prompt has run: it sampled
+        if req.logprobs is None:
+            return None, None, req.prompt_logprobs
+        req.logprobs += self.sampler.take_logprobs(seq.seq_id)
+        covered = len(req.logprobs) if seq.is_finished else bisect.bisect_right(req.ends, req.emitted)
+        delta, req.num_delivered = req.logprobs[req.num_delivered : covered], max(covered, req.num_delivered)
+        return list(req.logprobs), delta, req.prompt_logprobs
 
 
 class LLM:
@@ -512,6 +568,11 @@ class AsyncEngine:
     @property
     def scheduling_policy(self) -> str:
         return self.engine.config.scheduling_policy
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests with a common prefix share its KV blocks (week 14)."""
+        return self.engine.scheduler.prefix_caching
 
     def kv_blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks, for health checks."""

@@ -22,7 +22,8 @@ import torch
 from nanoserve.blocks import blocks_needed, slot_of
 from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model import Llama
-from nanoserve.scheduler import Batch
+from nanoserve.sampling import TokenLogprob, token_logprobs
+from nanoserve.scheduler import Batch, Sequence
 
 
 @dataclass
@@ -51,9 +52,10 @@ class StepInput:
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
-                 fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0):
+                 fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0):
         self.model = model
         self.device = model.embed_tokens.weight.device
+        self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # issue 17: seq_id -> position -> logprob
         cfg = model.config
         # Week 12: CUDA graphs need one block beyond the pool the scheduler hands out: the
         # padding rows of a padded batch write their K/V there.
@@ -78,7 +80,7 @@ class ModelRunner:
 
             self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
                                            self.context_class, fused=self.fused, verify_tokens=verify_tokens,
-                                           verify_batch=verify_batch)
+                                           verify_batch=verify_batch, mixed_tokens=mixed_tokens)
 
     @classmethod
     @torch.no_grad()
@@ -147,10 +149,49 @@ class ModelRunner:
         step = self.step_input(batch)
         if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
             return self.graphs.run(step)  # week 12: one replay
-        q = self.graphs.verify_shape(step) if self.graphs is not None else None
+        prompt_rows = self.prompt_rows(batch, step)  # issue 17: rows whose logits are kept, in eager steps only
+        q = self.graphs.verify_shape(step) if self.graphs is not None and not prompt_rows else None
         if q is not None:
             return self.graphs.run_verify(step, q)  # week 17: a verification step, one replay
+        t = self.graphs.mixed_size(step) if self.graphs is not None and not prompt_rows else None
+        if t is not None:
+            return self.graphs.run_mixed(step, t)  # week 15: a mixed step, one replay
         input_ids, positions, ctx = self.prepare(step)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        self.keep_prompt_logprobs(prompt_rows, hidden)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def prompt_rows(self, batch: Batch, step: StepInput) -> list[tuple[int, int, int, int, int]]:
+        """Issue 17: a request with `prompt_logprobs` (the server's `echo` with `logprobs`) wants the
+        logits of every prompt position, not only of the last: row p gives the logprob of prompt
+        token p + 1. This step's such rows, as (row, sequence id, position of the token scored, its
+        id, alternatives wanted). A prompt run in chunks (week 15) has some in every chunk; one
+        run again after a preemption before its first token gives the same values again. (A pure
+        decode step never has any: the last prompt row's logits are the first token's.)"""
+        wanted = []
+        for i, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            if k is None or seq.num_output_tokens:  # (with output tokens, its prompt was delivered)
+                continue
+            start = seq.num_computed
+            for p in range(start, min(start + batch.num_new_tokens[i], seq.prompt_len - 1)):
+                wanted.append((step.query_start_loc[i] + p - start, seq.seq_id, p + 1, seq.token_ids[p + 1], k))
+        return wanted
+
+    def keep_prompt_logprobs(self, wanted: list[tuple[int, int, int, int, int]], hidden: torch.Tensor) -> None:
+        """The logprobs of the `prompt_rows`, from the raw logits, kept by sequence and position
+        until the engine takes them (`take_prompt_logprobs`)."""
+        for first in range(0, len(wanted), 256):  # [256, vocab] of logits at a time, not [prompt, vocab]
+            part = wanted[first : first + 256]
+            rows = torch.tensor([w[0] for w in part], dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            found = token_logprobs(logits, [w[3] for w in part], [w[4] for w in part])
+            for (_, seq_id, position, _, _), entry in zip(part, found):
+                self.prompt_logprobs.setdefault(seq_id, {})[position] = entry
+
+    def take_prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob]:
+        """The logprobs of `seq`'s prompt tokens, one per token, once its whole prompt has run; the
+        first token's logprob is None (nothing predicts it). Forgets them."""
+        found = self.prompt_logprobs.pop(seq.seq_id, {})
+        return [TokenLogprob(seq.token_ids[0], None, [])] + [found[p] for p in range(1, seq.prompt_len)]

@@ -6,10 +6,12 @@ so that the scheduler, which stores it on every sequence, needs no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 
 
 @dataclass
@@ -23,6 +25,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (besides EOS)
     ignore_eos: bool = False  # keep going past EOS (benchmarks want fixed output lengths)
     seed: int | None = None  # a private generator for this request: reproducible draws
+    # The wider OpenAI surface (issue 17; see nanoserve/sampling.py for the order they apply in):
+    presence_penalty: float = 0.0  # subtracted from every token already generated (output only)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # report each output token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 
     def __post_init__(self) -> None:
         # >>> week03: validate-params
@@ -44,6 +52,22 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
         # <<< week03: validate-params
+        self._check_openai_fields()
+
+    def _check_openai_fields(self) -> None:
+        """Issue 17's fields. (The server checks OpenAI's ranges, [-2, 2] and [-100, 100]; the
+        engine only refuses what it cannot compute with.)"""
+        self.logit_bias = dict(self.logit_bias)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for token, bias in self.logit_bias.items():
+            if not (isinstance(token, int) and token >= 0 and math.isfinite(bias)):
+                raise ValueError(f"logit_bias maps token ids (integers >= 0) to finite numbers, got {token!r}: {bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:

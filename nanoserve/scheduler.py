@@ -355,8 +355,9 @@ class Scheduler:
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Hand a waiting sequence the cached blocks of its longest cached prefix, and count them
-        as computed. Never the whole sequence: its last token must run to give logits."""
-        if not self.prefix_caching:
+        as computed. Never the whole sequence: its last token must run to give logits. Nor any of
+        it when the request wants its prompt's logprobs (issue 17): a cached block has no logits."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return
         # >>> week14: reuse-prefix
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)

@@ -11,12 +11,14 @@ as server-sent events when `stream` is true.
 
 Every error a client can cause comes back as OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, and the server
-goes on serving.
+goes on serving. Nothing is silently ignored: a field the server does not honour is refused with
+a 400 naming it (`check_fields`; docs/openai_api.md lists every field and its status).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -26,7 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
-from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
+from nanoserve.sampling_params import MAX_LOGPROBS
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
 
@@ -82,11 +85,6 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    if _get(body, "echo", (bool,), False):
-        raise APIError(400, "echo is not supported", param="echo")
     return SamplingParams(
         temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")),
         top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")),
@@ -99,6 +97,106 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
     )
     # <<< week10: parse-params
+
+
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+
+
+def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: int) -> tuple[SamplingParams, int, bool]:
+    """The fields of issue 17 (the wider OpenAI surface), on top of `sampling_params_from`:
+    presence and frequency penalties, `logit_bias` and logprobs go into the params; returns
+    (params, n: choices per prompt, echo: completions repeat the prompt in front of the text)."""
+    penalties = {name: float(_get(body, name, (int, float), 0.0, lambda v: -2 <= v <= 2, "must be in [-2, 2]"))
+                 for name in ("presence_penalty", "frequency_penalty")}
+    bias = _get(body, "logit_bias", (dict,), {})
+    logit_bias = {}
+    for key, value in bias.items():  # JSON keys are strings: token ids written as text
+        param = f"logit_bias.{key}"
+        if not (key.isdigit() and int(key) < vocab_size):
+            raise APIError(400, f"'logit_bias' keys are token ids in [0, {vocab_size}), got {key!r}", param=param)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(400, f"'{param}' must be a number in [-100, 100], got {value!r}", param=param)
+        logit_bias[int(key)] = float(value)
+    rule = f"must be in [0, {MAX_LOGPROBS}]"
+    if chat:  # a boolean, and how many alternatives apart
+        top = _get(body, "top_logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, rule)
+        wanted = _get(body, "logprobs", (bool,), False)
+        if top is not None and not wanted:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs, echo = (top or 0) if wanted else None, False
+    else:  # completions: how many alternatives, or null for none
+        logprobs = _get(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, rule)
+        echo = _get(body, "echo", (bool,), False)
+    n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
+    if _get(body, "best_of", (int,), n) != n:
+        raise APIError(400, "'best_of' (keep the best of several samples) is not supported: leave it out or make it "
+                            "equal to 'n'", param="best_of")
+    params = dataclasses.replace(params, **penalties, logit_bias=logit_bias, logprobs=logprobs,
+                                 prompt_logprobs=logprobs if echo else None)
+    return params, n, echo
+
+
+# Every request field of the two endpoints that the server accepts: OpenAI's (see docs/openai_api.md
+# for what each one does here) and nanoserve's own. Anything else is refused with a 400 naming it:
+# a field silently ignored is a question answered as if it had not been asked.
+SHARED_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
+                 "stream", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "user",  # informational only: no effect on generation
+                 "top_k", "repetition_penalty", "ignore_eos", "priority"}  # nanoserve's own
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "top_logprobs",
+                               # informational only, or accepted at their default value (checked below)
+                               "metadata", "safety_identifier", "prompt_cache_key", "store", "service_tier",
+                               "modalities", "response_format", "tool_choice", "parallel_tool_calls"}
+NOT_SUPPORTED = {  # OpenAI's fields this server refuses, and why
+    "suffix": "this server does not insert text before a suffix",
+    "tools": "tools are not supported yet", "functions": "functions (tools) are not supported yet",
+    "function_call": "functions (tools) are not supported yet",
+    "audio": "this server generates text only", "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this server runs no reasoning model", "verbosity": "this server runs no reasoning model",
+    "web_search_options": "this server cannot search the web", "moderation": "this server runs no moderation",
+    "prompt_cache_options": "the prefix cache is automatic and has no options",
+    "prompt_cache_retention": "the prefix cache is automatic and has no options",
+}
+MESSAGE_FIELDS = {"role", "content"}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """400 for every field of the body the server would not honour (null counts as absent)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in NOT_SUPPORTED:
+            raise APIError(400, f"'{name}' is not supported: {NOT_SUPPORTED[name]}", param=name)
+        if name not in known:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise APIError(400, f"unknown field '{name}': {endpoint} does not take it, and this server refuses "
+                                "what it would otherwise ignore (docs/openai_api.md lists every field)", param=name)
+    # Fields accepted only where they change nothing (their default, or information for OpenAI's own use).
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        _get(body, name, (str,))
+    _get(body, "parallel_tool_calls", (bool,))  # without tools, it has nothing to act on
+    metadata = _get(body, "metadata", (dict,), {})
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise APIError(400, "'metadata' maps strings to strings", param="metadata")
+    defaults = [("store", (bool,), [False], "this server stores nothing"),
+                ("service_tier", (str,), ["auto", "default"], "this server has one tier (see 'priority')"),
+                ("modalities", (list,), [["text"]], "this server generates text only"),
+                ("response_format", (dict,), [{"type": "text"}], "structured output is not supported yet"),
+                ("tool_choice", (str, dict), ["none"], "tools are not supported yet")]
+    for name, kinds, allowed, reason in defaults:
+        value = _get(body, name, kinds)
+        if value is not None and value not in allowed:
+            raise APIError(400, f"'{name}' {json.dumps(value)} is not supported: {reason}", param=name)
+    options = _get(body, "stream_options", (dict,))
+    if options is not None:
+        if not _get(body, "stream", (bool,), False):
+            raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
+        for key in options:  # include_obfuscation: this server pads nothing, true or false
+            if key not in ("include_usage", "include_obfuscation") or not isinstance(options[key], bool):
+                raise APIError(400, f"'stream_options.{key}' is not supported (include_usage and include_obfuscation, "
+                                    "booleans, are)", param=f"stream_options.{key}")
 
 
 def message_text(content: str | list, index: int) -> str:
@@ -165,6 +263,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="nanoserve", version="0.1.0")
     tokenizer = engine.tokenizer
+    token_strings = TokenStrings(tokenizer)
     max_model_len = engine.max_model_len
     vocab_size = engine.vocab_size
     created = int(time.time())
@@ -232,7 +331,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
+        check_fields(body, chat=False)
         params = sampling_params_from(body, default_max_tokens)
+        params, n, echo = openai_fields(body, params, chat=False, vocab_size=vocab_size)
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             prompts, names = [prompt], ["prompt"]  # one prompt: text, or token ids
@@ -248,7 +349,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         prompt_ids = [prompt_token_ids(p, name) for p, name in zip(prompts, names)]
         for ids, name in zip(prompt_ids, names):
             check_length(ids, params, name)
-        return await respond(request, body, prompt_ids, params, chat=False)
+        echoed = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+        return await respond(request, body, prompt_ids, params, chat=False, n=n, echo=echoed if echo else None)
 
     def prompt_token_ids(prompt: Any, param: str) -> list[int]:
         """One prompt of a completion request, a string or a list of token ids, as token ids."""
@@ -263,26 +365,33 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
+        check_fields(body, chat=True)
         params = sampling_params_from(body, default_max_tokens)
+        params, n, _ = openai_fields(body, params, chat=True, vocab_size=vocab_size)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-        for m in messages:
+        for i, m in enumerate(messages):
             if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
                     and isinstance(m.get("content"), (str, list))):
                 raise APIError(400, "each message needs a 'role' (system, user or assistant) and a "
                                     "'content' (a string or a list of text parts)", param="messages")
+            for key in m:
+                if key not in MESSAGE_FIELDS and m[key] is not None:
+                    raise APIError(400, f"'messages[{i}].{key}' is not supported: the chat template gets each "
+                                        "message's role and content only", param=f"messages[{i}].{key}")
         try:
             prompt_ids = tokenizer.apply_chat_template(
                 [{"role": m["role"], "content": message_text(m["content"], i)} for i, m in enumerate(messages)])
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         check_length(prompt_ids, params, "messages")
-        return await respond(request, body, [prompt_ids], params, chat=True)
+        return await respond(request, body, [prompt_ids], params, chat=True, n=n)
 
     async def respond(request: Request, body: dict, prompt_ids: list[list[int]], params: SamplingParams,
-                      chat: bool):
-        """Generate one choice per prompt (choice i for prompt_ids[i]), all at once or streamed."""
+                      chat: bool, n: int = 1, echo: list[str] | None = None):
+        """Generate n choices per prompt, all at once or streamed: choice k is the (k % n)-th of
+        prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front."""
         stream = _get(body, "stream", (bool,), False)
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         priority = _get(body, "priority", (int,), 0)
@@ -290,24 +399,47 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "'priority' needs a server started with --scheduling-policy priority "
                                 f"(this one schedules by {engine.scheduling_policy})", param="priority")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        streams, firsts = [], []
+        total = len(prompt_ids) * n
+        streams: list = [None] * total
+        firsts: list = [None] * total
+        # With prefix caching, the other n - 1 choices of a prompt start once its first one has
+        # been prefilled: they find the prompt's full blocks in the cache and share them, so the
+        # prompt is prefilled once. Without it, the n choices are n independent requests.
+        later = n > 1 and engine.prefix_caching
+        waves = [[k for k in range(total) if k % n == 0 or not later], [k for k in range(total) if k % n and later]]
+        started = False
         try:
-            for i, ids in enumerate(prompt_ids):
-                name = request_id if len(prompt_ids) == 1 else f"{request_id}-{i}"
-                streams.append(engine.generate(ids, params, priority=priority, request_id=name))
-                firsts.append(await anext(streams[-1]))  # admission errors surface here, before any byte is sent
+            for wave in waves:
+                for k in wave:
+                    name = request_id if total == 1 else f"{request_id}-{k}"
+                    streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
+                                                 request_id=name)
+                # admission errors surface here, before any byte is sent
+                results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
+                for k, result in zip(wave, results):
+                    if isinstance(result, BaseException):
+                        raise result
+                    firsts[k] = result
+            started = True
         except (QueueFull, ValueError) as e:
-            for outputs in streams:  # abort the prompts already admitted
-                await outputs.aclose()
             if isinstance(e, ValueError):
                 raise APIError(400, str(e)) from None
             raise APIError(429, f"the server is busy ({e}); retry shortly", code="server_overloaded",
                            type_="server_error", headers={"Retry-After": "1"}) from None
+        finally:
+            if not started:  # abort the choices already admitted
+                for outputs in streams:
+                    if outputs is not None:
+                        await outputs.aclose()
         meta = dict(id=request_id, created=int(time.time()), model=model_name)
-        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
         if stream:
-            return StreamingResponse(sse_events(merged_outputs(streams, firsts), meta, chat, include_usage,
-                                                prompt_tokens),
+            outputs = merged_outputs(streams, firsts)
+            if echo is not None:  # a prompt's first choice has its logprobs (when asked), for all n
+                outputs = with_echo(outputs, [echo[k // n] for k in range(total)],
+                                    [firsts[k - k % n].prompt_logprobs for k in range(total)])
+            logprobs = StreamLogprobs(token_strings, chat)
+            return StreamingResponse(sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         tasks = [asyncio.ensure_future(collect(request, o, f)) for o, f in zip(streams, firsts)]
@@ -321,14 +453,120 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                            "param": None, "code": None}}, status_code=499)
         usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": last.text},
-                        "logprobs": None, "finish_reason": last.finish_reason} for i, last in enumerate(lasts)]
+            choices = [{"index": k, "message": {"role": "assistant", "content": last.text},
+                        "logprobs": None if last.logprobs is None else chat_logprobs(last.logprobs, token_strings),
+                        "finish_reason": last.finish_reason} for k, last in enumerate(lasts)]
             return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
-        choices = [{"index": i, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}
-                   for i, last in enumerate(lasts)]
+        choices = []
+        for k, last in enumerate(lasts):
+            entries = last.logprobs
+            if echo is not None and entries is not None:
+                entries = lasts[k - k % n].prompt_logprobs + entries
+            choices.append({"index": k, "text": (echo[k // n] if echo is not None else "") + last.text,
+                            "logprobs": None if entries is None else completion_logprobs(entries, token_strings)[0],
+                            "finish_reason": last.finish_reason})
         return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
     return app
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of a prompt's j-th choice (n > 1): its own seed, seed + j (so the n samples
+    differ, and each is reproducible), and no prompt logprobs after the first choice (they
+    would be the same, and computing them means prefilling the prompt again: see
+    `Scheduler._reuse_cached_prefix`)."""
+    if j == 0:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = seed + j if seed + j <= SEED_MAX else seed + j - 2**64  # the same seed, modulo 2**64
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+
+
+# ------------------------------------------------------------------------------------ logprobs
+
+
+class TokenStrings:
+    """What the logprobs fields show of a token id: its text (special tokens spelled out), its
+    width in the output text (0 for a special token, which the text skips), and its bytes.
+    Cached: the same alternatives come back at every position."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, int, list[int]]] = {}
+        try:  # byte-level BPE (Llama 3): each character of a raw token stands for one byte
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self.byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        except ImportError:
+            self.byte_of = {}
+
+    def __call__(self, token: int) -> tuple[str, int, list[int]]:
+        if token not in self.cache:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            width = len(self.tokenizer.decode([token], skip_special_tokens=True))
+            raw = self.tokenizer.hf.convert_ids_to_tokens(token)
+            if isinstance(raw, str) and raw and all(c in self.byte_of for c in raw):
+                data = [self.byte_of[c] for c in raw]  # exact, even for half a character
+            else:
+                data = list(text.encode("utf-8"))
+            self.cache[token] = (text, width, data)
+        return self.cache[token]
+
+
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)  # OpenAI's floor ("very unlikely"), and never -inf in JSON
+
+
+def completion_logprobs(entries: list[TokenLogprob], strings: TokenStrings, offset: int = 0) -> tuple[dict, int]:
+    """Completions' (legacy) logprobs object for `entries`, whose first token's text starts at
+    `offset` in the choice's text; also returns where the next token's text starts. Each
+    `top_logprobs` dict holds the requested alternatives and the chosen token (OpenAI: up to
+    logprobs + 1 entries); a position nothing predicts (the first prompt token) has None."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text, width, _ = strings(e.token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += width
+        if e.logprob is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_logprob(e.logprob))
+        top = {strings(t)[0]: _logprob(lp) for t, lp in e.top}
+        top.setdefault(text, _logprob(e.logprob))
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def chat_logprobs(entries: list[TokenLogprob], strings: TokenStrings) -> dict:
+    """Chat's logprobs object: `content`, one item per token, with its text, logprob, UTF-8 bytes
+    and its `top_logprobs` alternatives (as many as asked)."""
+    def item(token: int, logprob: float) -> dict:
+        text, _, data = strings(token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": data}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+class StreamLogprobs:
+    """`sse_events`' `logprobs(index, out)`: the logprobs object of the tokens an output
+    delivers (`out.delta_logprobs`), or None when it delivers none. Keeps each choice's text
+    offset (completions) from chunk to chunk."""
+
+    def __init__(self, strings: TokenStrings, chat: bool):
+        self.strings, self.chat = strings, chat
+        self.offsets: dict[int, int] = {}
+
+    def __call__(self, index: int, out: RequestOutput) -> dict | None:
+        if not out.delta_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(out.delta_logprobs, self.strings)
+        found, self.offsets[index] = completion_logprobs(out.delta_logprobs, self.strings, self.offsets.get(index, 0))
+        return found
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -394,36 +632,64 @@ async def merged_outputs(streams: list, firsts: list[RequestOutput]):
                 await outputs.aclose()
 
 
-async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int):
+async def with_echo(outputs, texts: list[str], prompt_logprobs: list[list[TokenLogprob] | None]):
+    """Completions' `echo` in a stream: choice k's prompt text (and, when asked, its logprobs) in
+    front of its first output's delta. (An empty prompt text waits for an output that is
+    delivered: one with text, or the last.)"""
+    waiting = dict(enumerate(zip(texts, prompt_logprobs)))  # choice index -> what it has not sent yet
+    try:
+        async for index, out in outputs:
+            if index in waiting and (waiting[index][0] or out.delta or out.finished):
+                text, logprobs = waiting.pop(index)
+                delta_logprobs = out.delta_logprobs if logprobs is None else logprobs + out.delta_logprobs
+                out = dataclasses.replace(out, delta=text + out.delta, delta_logprobs=delta_logprobs)
+            yield index, out
+    finally:
+        await outputs.aclose()
+
+
+def _no_logprobs(index: int, out: RequestOutput) -> None:
+    return None
+
+
+async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int,
+                     logprobs=_no_logprobs):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
-    `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). If the client
-    disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
-    requests on the engine thread, which frees their KV blocks.
+    `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). `logprobs(index,
+    out)` gives the choice's `logprobs` object for the tokens an output delivers (`StreamLogprobs`;
+    None when the request did not ask for them). If the client disconnects, Starlette cancels this
+    generator; closing `outputs` in the `finally` aborts the requests on the engine thread, which
+    frees their KV blocks.
     """
     # >>> week11: sse-events
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, delta: str | None, finish_reason: str | None, role: bool = False) -> str:
+    def chunk(index: int, delta: str | None, finish_reason: str | None, role: bool = False,
+              found: dict | None = None) -> str:
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": found, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta or "", "logprobs": found, "finish_reason": finish_reason}
         payload = {**meta, "object": kind, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     completion_tokens = 0
+    started = set()  # the chat choices that had their role chunk
     try:
-        if chat:
-            yield chunk(0, None, None, role=True)
         async for index, out in outputs:
+            if chat and index not in started:
+                started.add(index)
+                yield chunk(index, None, None, role=True)
+            found = logprobs(index, out)  # on the chunk with the text, else on the final one
             if out.delta:
-                yield chunk(index, out.delta, None)
+                yield chunk(index, out.delta, None, found=found)
+                found = None
             if out.finished:
-                yield chunk(index, None if chat else "", out.finish_reason)
+                yield chunk(index, None if chat else "", out.finish_reason, found=found)
                 completion_tokens += len(out.token_ids)
         if include_usage:
             usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}

@@ -135,7 +135,3 @@ def test_stop_as_a_string_and_as_four_strings(client):
     assert one.text == full[: full.find(stop)] and one.finish_reason == "stop"
     four = client.completions.create(stop=["zzzz", "qqqq", stop, "xxxx"], **kw).choices[0]
     assert four.text == one.text and four.finish_reason == "stop"
-
-
-def test_n_above_one_is_still_refused(server):
-    assert_400(post(server, "/v1/completions", {"prompt": ["The", "A"], "n": 2}), "n")

@@ -209,12 +209,38 @@ def test_mixed_steps_on_the_triton_backend(ckpt):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), dtype=torch.float32, device=device, attention_backend="triton", num_blocks=64, block_size=8,
               enable_chunked_prefill=True, max_num_batched_tokens=24, fused_kernels=True, cuda_graphs=False)
+    assert_greedy_equals_hf(llm, hf, device)
+
+
+def assert_greedy_equals_hf(llm, hf, device):
     ps = prompts()[:4]
     outs = [o.token_ids for o in llm.generate(ps, GREEDY)]
     hf = hf.to(device)
     for prompt, out in zip(ps, outs):
         ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("budget", [24, 100])
+def test_mixed_steps_replay_the_graph_path(ckpt, budget, monkeypatch):
+    """With CUDA graphs, mixed steps (decodes and a chunk) go through the static buffers of the
+    padded token count (captured graphs on a GPU; on the CPU the same buffers and padding feed an
+    eager pass): the same tokens as HF. A budget of 100 is no captured size: the largest graph
+    holds exactly the budget."""
+    pytest.importorskip("triton", reason="the Triton backend needs the triton package: pip install triton (Linux)")
+    from nanoserve.cuda_graphs import CUDAGraphDecoder
+
+    calls = []
+    run_mixed = CUDAGraphDecoder.run_mixed
+    monkeypatch.setattr(CUDAGraphDecoder, "run_mixed",
+                        lambda self, step, t: calls.append((len(step.input_ids), t)) or run_mixed(self, step, t))
+    path, hf = ckpt
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(path), dtype=torch.float32, device=device, attention_backend="triton", num_blocks=64, block_size=8,
+              enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=8, cuda_graphs=True)
+    assert_greedy_equals_hf(llm, hf, device)
+    assert calls and all(real <= t <= budget for real, t in calls)
+    assert any(real < t for real, t in calls)  # padded
 
 
 def test_a_budget_below_the_seat_count_warns(ckpt):
