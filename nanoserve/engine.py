@@ -339,7 +339,8 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
         vocab_size = self.model.config.vocab_size
         if any(t >= vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary is {vocab_size}")
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has "
+                             f"{vocab_size} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
         seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None,

@@ -63,7 +63,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for token, bias in self.logit_bias.items():
             if not (isinstance(token, int) and token >= 0 and math.isfinite(bias)):
-                raise ValueError(f"logit_bias maps token ids (integers >= 0) to finite numbers, got {token!r}: {bias!r}")
+                raise ValueError(f"logit_bias maps token ids (integers >= 0) to finite numbers, "
+                                 f"got {token!r}: {bias!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):

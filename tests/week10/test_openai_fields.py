@@ -284,7 +284,8 @@ REFUSED_COMPLETION = [
 ]
 
 
-@pytest.mark.parametrize("name, value, words", REFUSED_CHAT, ids=[f"{r[0]}={json.dumps(r[1])[:20]}" for r in REFUSED_CHAT])
+@pytest.mark.parametrize("name, value, words", REFUSED_CHAT,
+                         ids=[f"{r[0]}={json.dumps(r[1])[:20]}" for r in REFUSED_CHAT])
 def test_unsupported_chat_fields_are_refused(server, name, value, words):
     assert_400(post(server, "/v1/chat/completions", {**CHAT, name: value}), name, words)
 

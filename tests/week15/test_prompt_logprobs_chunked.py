@@ -1,6 +1,7 @@
 """Week 15 and issue 17: a prompt prefilled in chunks gives its logprobs chunk by chunk; together
 they equal those of the prompt prefilled at once, and HF's."""
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -30,3 +31,32 @@ def test_prompt_logprobs_with_chunked_prefill_equal_hf():
             assert abs(entry.logprob - expected[p - 1, ids[p]].item()) < 1e-4
             assert [t for t, _ in entry.top] == expected[p - 1].topk(2).indices.tolist()
     assert len(whole[0].prompt_token_ids) > 2 * 12  # the long prompt ran in three chunks or more
+
+
+def test_steps_with_prompt_rows_leave_the_graph_path(monkeypatch):
+    """With CUDA graphs, mixed steps replay a graph that returns the sampled rows only (week 15):
+    a step with prompt rows to keep runs eagerly instead (on the CPU the graph path is the graphs'
+    static buffers, nothing captured), and the prompt logprobs are all there, equal to the eager
+    engine's."""
+    pytest.importorskip("triton", reason="the Triton backend needs the triton package: pip install triton (Linux)")
+    from nanoserve.cuda_graphs import CUDAGraphDecoder
+
+    replays = []
+    run_mixed = CUDAGraphDecoder.run_mixed
+    monkeypatch.setattr(CUDAGraphDecoder, "run_mixed",
+                        lambda self, step, t: replays.append(t) or run_mixed(self, step, t))
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    eager = LLM("tiny", device="cpu", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24)
+    graphs = LLM("tiny", device="cpu", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                 attention_backend="triton", cuda_graphs=True, max_num_seqs=4)
+    graphs.generate(PROMPTS, plain)
+    assert replays  # these prompts do make mixed steps that replay a graph...
+    replays.clear()
+    got = graphs.generate(PROMPTS, params)
+    assert not replays  # ...but not with prompt rows to keep
+    for a, b in zip(eager.generate(PROMPTS, params), got):
+        assert a.token_ids == b.token_ids
+        assert [e.token for e in a.prompt_logprobs] == [e.token for e in b.prompt_logprobs]
+        got = [e.logprob for e in b.prompt_logprobs[1:] + b.logprobs]
+        assert got == pytest.approx([e.logprob for e in a.prompt_logprobs[1:] + a.logprobs], abs=1e-4)
