@@ -233,7 +233,16 @@ def bench_latency(args) -> dict:
         engine.abort(next(iter(engine.requests)))
     del engine
     _free_gpu()
-    rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline)]
+    rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline,
+                 min_tok_s=min(speeds[1:]), max_tok_s=max(speeds[1:]))]
+    if args.baseline:
+        compiled = device.startswith("cuda")
+        runs = baseline_latency(model_dir, prompt, args.new_tokens, dtype, device, compiled)
+        base = statistics.median(runs[1:])
+        rows.append(dict(engine="torch.compile static cache" if compiled else "static cache (eager: no CUDA)",
+                         tok_s=base, ms_per_token=1e3 / base, pct_roofline=100 * base / roofline,
+                         min_tok_s=min(runs[1:]), max_tok_s=max(runs[1:])))
+        _free_gpu()
     if args.hf:
         theirs = hf_latency(model_dir, prompt, args.new_tokens, dtype, device)
         rows.append(dict(engine="HF transformers generate", tok_s=theirs, ms_per_token=1e3 / theirs,
@@ -242,8 +251,10 @@ def bench_latency(args) -> dict:
           f"{roofline:.0f} tok/s ({1e3 / roofline:.3f} ms/token)")
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
           + (f"; one graph replay alone {floor:.3f}" if floor else ""))
-    print_table("batch-1 decode", rows, [("engine", "engine", ""), ("tok_s", "tok/s", ".1f"),
-                                         ("ms_per_token", "ms/token", ".3f"), ("pct_roofline", "% of roofline", ".1f")])
+    print_table("batch-1 decode (median of runs 2-5, min and max beside it)", rows,
+                [("engine", "engine", ""), ("tok_s", "tok/s", ".1f"), ("min_tok_s", "min", ".1f"),
+                 ("max_tok_s", "max", ".1f"), ("ms_per_token", "ms/token", ".3f"),
+                 ("pct_roofline", "% of roofline", ".1f")])
     result = dict(model=str(args.model), prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=str(dtype),
                   weight_bytes=weights, copy_gbs=bandwidth / 1e9, roofline_tok_s=roofline,
                   step_breakdown_ms=breakdown, graph_replay_ms=floor, runs_tok_s=speeds, rows=rows)
@@ -287,6 +298,23 @@ class _TokenClock:
 
     def end(self) -> None:
         pass
+
+
+def baseline_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str,
+                     compiled: bool) -> list[float]:
+    """Batch-1 decode speed of the same weights through a dense static KV cache, each step compiled
+    with torch.compile (nanoserve/compiled_baseline.py): five runs, the first compiles."""
+    from nanoserve.compiled_baseline import CompiledStaticDecoder
+    from nanoserve.loader import load_model
+
+    model = load_model(model_dir, dtype=dtype, device=device)
+    decoder = CompiledStaticDecoder(model, max_len=len(prompt) + new_tokens, compile=compiled)
+    speeds = []
+    for _ in range(5):
+        times: list[float] = []
+        decoder.generate(prompt, new_tokens, on_token=lambda i: times.append(time.perf_counter()))
+        speeds.append((new_tokens - 1) / (times[-1] - times[0]))
+    return speeds
 
 
 def hf_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str) -> float:
@@ -585,6 +613,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="folder for the JSON files and plots")
     p.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test that runs on a CPU")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HuggingFace side-by-side runs")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="latency: skip the torch.compile static-cache baseline")
     p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")

@@ -23,18 +23,20 @@ from nanoserve.layers import apply_rope
 from nanoserve.model import Llama
 
 
-class StaticKVContext:
+class StaticKVContext(torch.nn.Module):
     """A dense cache for one sequence: k, v [num_layers, max_len, num_kv_heads, head_dim]. The
-    positions of the tokens being run live in `input_pos`, a buffer at a fixed address: a
-    compiled step reads it, and the caller fills it before each call."""
+    positions of the tokens being run are in `input_pos`. The cache is a module's buffers, not
+    loose tensors: the compiler's CUDA graphs accept in-place writes to a module's buffers (their
+    addresses never change), and would fall back to plain launches for written graph inputs."""
 
     def __init__(self, model: Llama, max_len: int):
+        super().__init__()
         cfg = model.config
         weight = model.embed_tokens.weight
         shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.v = torch.zeros_like(self.k)
-        self.all_positions = torch.arange(max_len, device=weight.device)
+        self.register_buffer("k", torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        self.register_buffer("v", torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+        self.register_buffer("all_positions", torch.arange(max_len, device=weight.device))
         self.input_pos = torch.zeros(1, dtype=torch.long, device=weight.device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -50,19 +52,28 @@ class StaticKVContext:
         return out[0].transpose(0, 1)
 
 
+class DecodeStep(torch.nn.Module):
+    """One token at one position -> the next token (greedy), all on the device."""
+
+    def __init__(self, model: Llama, ctx: StaticKVContext):
+        super().__init__()
+        self.model, self.ctx = model, ctx
+
+    def forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        self.ctx.input_pos = position
+        hidden = self.model(token, position, self.ctx)
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
+
 class CompiledStaticDecoder:
     """Greedy batch-1 generation: an eager prefill into the static cache, then one compiled
-    function per decode step (`compile=False` runs the same code eagerly: the CPU tests)."""
+    module call per decode step (`compile=False` runs the same code eagerly: the CPU tests)."""
 
     def __init__(self, model: Llama, max_len: int, compile: bool = True):
         self.model = model
         self.ctx = StaticKVContext(model, max_len)
-        self.decode = torch.compile(self._decode, mode="reduce-overhead", fullgraph=True) if compile else self._decode
-
-    def _decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One token at one position -> the next token (greedy), all on the device."""
-        hidden = self.model(token, position, self.ctx)
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        step = DecodeStep(model, self.ctx)
+        self.decode = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compile else step
 
     @torch.no_grad()
     def generate(self, prompt: list[int], new_tokens: int, on_token=None) -> list[int]:
@@ -72,13 +83,13 @@ class CompiledStaticDecoder:
         self.ctx.input_pos = torch.arange(len(prompt), device=device)  # the prefill, eager
         hidden = self.model(ids, self.ctx.input_pos, self.ctx)
         token = self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
-        self.ctx.input_pos = torch.zeros(1, dtype=torch.long, device=device)  # the decode steps' buffer
+        position = torch.zeros(1, dtype=torch.long, device=device)
         out = [int(token)]
         if on_token:
             on_token(0)
         for i in range(1, new_tokens):
-            self.ctx.input_pos.fill_(len(prompt) + i - 1)
-            token = self.decode(token, self.ctx.input_pos).clone()  # clone: the graph's output is reused
+            position.fill_(len(prompt) + i - 1)
+            token = self.decode(token, position).clone()  # clone: the graph's output is reused
             out.append(int(token))
             if on_token:
                 on_token(i)
