@@ -28,6 +28,7 @@ from nanoserve.loader import load_model, resolve_model_dir
 from nanoserve.runner import ModelRunner
 from nanoserve.sampling import Sampler, SamplingParams, TokenLogprob
 from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.structured import TokenConstraint, make_tokenizer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -117,6 +118,17 @@ class _Request:
             self.cut = True
         return bool(found)
         # <<< week05: stop-strings
+
+
+def _with_grammar(stop_checker, constraint: TokenConstraint):
+    """A sequence's stop check that also feeds its grammar each token appended: it stops on a
+    stop string, or once the grammar is complete."""
+
+    def check(token: int) -> bool:
+        stopped = stop_checker(token) if stop_checker is not None else False
+        return constraint.consume(token) or stopped  # consume first: every token goes to the grammar
+
+    return check
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -276,6 +288,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.runner.device)
+        self._grammar_tokenizer = None  # structured output (issue 17): built on first use
         self.requests: dict[int, _Request] = {}
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
@@ -343,15 +356,26 @@ class Engine:
                              f"{vocab_size} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=req.add_token if req.stream else None,
-                       priority=priority)
+        stop_checker = req.add_token if req.stream else None
+        constraint = None
+        if params.grammar is not None:  # structured output: the grammar also ends the request
+            constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
+            stop_checker = _with_grammar(stop_checker, constraint)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=stop_checker, priority=priority)
         self.scheduler.add(seq)
-        self.sampler.add(seq.seq_id, params, seq.prompt_len)
+        self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
         if params.logprobs is not None:
             req.logprobs = []
         self.requests[seq.seq_id] = req
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
+
+    def grammar_tokenizer(self):
+        """Structured output's view of the tokenizer (`nanoserve.structured.make_tokenizer`),
+        built the first time a request asks for it."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = make_tokenizer(self.tokenizer.hf)
+        return self._grammar_tokenizer
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Cancel a request now: its KV blocks go back to the pool at once. Returns its final
@@ -417,10 +441,11 @@ class Engine:
         """Issue 17: verification (week 17) samples with neither the raw logits at hand for
         logprobs, nor the output tokens for presence and frequency penalties, and its greedy path
         skips `logit_bias`. So while a request asking for any of these is in the engine, every
-        step is a plain one: no guesses, for anybody."""
+        step is a plain one: no guesses, for anybody. The same while a request with structured
+        output is in: its grammar would have to check every guess (and roll back the rejected)."""
         return self.speculator is not None and any(
             p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty
-            or p.logit_bias for p in (s.params for s in self.sequences.values()))
+            or p.logit_bias or p.grammar is not None for p in (s.params for s in self.sequences.values()))
 
     def _has_output(self, seq: Sequence) -> bool:
         req = self.requests.get(seq.seq_id)  # None: aborted meanwhile

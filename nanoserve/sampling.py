@@ -18,6 +18,10 @@ frequency penalties (over the tokens the request generated, not its prompt):
 
 Logprobs, when a request asks for them, are read before all of it: `log_softmax` of the raw
 float32 logits, the model's own distribution whatever the request's sampling settings.
+
+Structured output (issue 17, `nanoserve/structured.py`) goes first of all: a constrained row's
+logits are -inf for every token its grammar does not allow next, so no later edit can bring one
+back (they all keep -inf at -inf) and the draw never picks one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams  # noqa: F401 (SEED_*: re-exported)
+from nanoserve.structured import TokenConstraint, apply_token_masks
 
 
 @dataclass
@@ -185,15 +190,21 @@ class Sampler:
     tensors, so that the scheduler's sequences hold none): each seeded request's private
     generator, and (issue 17) where the output of a sequence with presence or frequency penalties
     starts, and the logprobs of the tokens it sampled for the sequences that ask, until the
-    engine takes them (`take_logprobs`)."""
+    engine takes them (`take_logprobs`); and the grammar constraint of a request asking for
+    structured output, whose mask it applies before drawing (the sequence's stop check feeds
+    the constraint the tokens drawn: `Engine.add_request`)."""
 
     def __init__(self, device: torch.device | str):
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
         self.prompt_lens: dict[int, int] = {}  # sequences with presence/frequency penalties
         self.logprobs: dict[int, list[TokenLogprob]] = {}
+        self.constraints: dict[int, TokenConstraint] = {}
 
-    def add(self, seq_id: int, params: SamplingParams, prompt_len: int = 0) -> None:
+    def add(self, seq_id: int, params: SamplingParams, prompt_len: int = 0,
+            constraint: TokenConstraint | None = None) -> None:
+        if constraint is not None:
+            self.constraints[seq_id] = constraint
         generator = make_generator(params.seed, self.device)
         if generator is not None:
             self.generators[seq_id] = generator
@@ -205,6 +216,7 @@ class Sampler:
         self.generators.pop(seq_id, None)
         self.prompt_lens.pop(seq_id, None)
         self.logprobs.pop(seq_id, None)
+        self.constraints.pop(seq_id, None)
 
     def take_logprobs(self, seq_id: int) -> list[TokenLogprob]:
         """The logprobs of the tokens sampled for `seq_id` since the last call, in order."""
@@ -216,7 +228,12 @@ class Sampler:
         generated = None
         if seen is not None and any(i in self.prompt_lens for i in seq_ids):
             generated = [ids[self.prompt_lens[i]:] if i in self.prompt_lens else [] for i, ids in zip(seq_ids, seen)]
-        tokens = sample(logits, params, [self.generators.get(i) for i in seq_ids], seen, generated)
+        constrained = [j for j, i in enumerate(seq_ids) if i in self.constraints]
+        masked = logits
+        if constrained:  # structured output: only what the grammar allows next
+            masks = [self.constraints[seq_ids[j]].allowed() for j in constrained]
+            masked = apply_token_masks(logits, constrained, masks)
+        tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asking:  # issue 17: from the raw logits, before any bias, penalty or temperature
             rows = torch.tensor(asking, device=logits.device)

@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # report each output token's logprob and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    grammar: str | None = None  # structured output: an llguidance grammar (nanoserve/structured.py)
 
     def __post_init__(self) -> None:
         # >>> week03: validate-params
@@ -69,6 +70,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be None or a string (nanoserve.structured.grammar_for), got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
 from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
 from nanoserve.sampling_params import MAX_LOGPROBS
+from nanoserve.structured import GrammarError, check_grammar, grammar_for
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
 
@@ -104,7 +105,8 @@ MAX_N = 128  # choices per prompt (OpenAI's limit)
 
 def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: int) -> tuple[SamplingParams, int, bool]:
     """The fields of issue 17 (the wider OpenAI surface), on top of `sampling_params_from`:
-    presence and frequency penalties, `logit_bias` and logprobs go into the params; returns
+    presence and frequency penalties, `logit_bias`, logprobs and `response_format` (as a grammar:
+    nanoserve/structured.py) go into the params; returns
     (params, n: choices per prompt, echo: completions repeat the prompt in front of the text)."""
     penalties = {name: float(_get(body, name, (int, float), 0.0, lambda v: -2 <= v <= 2, "must be in [-2, 2]"))
                  for name in ("presence_penalty", "frequency_penalty")}
@@ -131,8 +133,14 @@ def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: in
     if _get(body, "best_of", (int,), n) != n:
         raise APIError(400, "'best_of' (keep the best of several samples) is not supported: leave it out or make it "
                             "equal to 'n'", param="best_of")
+    try:  # structured output: a grammar the engine constrains the sampling with
+        grammar = grammar_for(_get(body, "response_format", (dict,)))
+        if grammar is not None:
+            check_grammar(grammar)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
     params = dataclasses.replace(params, **penalties, logit_bias=logit_bias, logprobs=logprobs,
-                                 prompt_logprobs=logprobs if echo else None)
+                                 prompt_logprobs=logprobs if echo else None, grammar=grammar)
     return params, n, echo
 
 
@@ -141,13 +149,14 @@ def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: in
 # a field silently ignored is a question answered as if it had not been asked.
 SHARED_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
                  "stream", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "response_format",  # a nanoserve extension on /v1/completions (as in vLLM)
                  "user",  # informational only: no effect on generation
                  "top_k", "repetition_penalty", "ignore_eos", "priority"}  # nanoserve's own
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = SHARED_FIELDS | {"messages", "top_logprobs",
                                # informational only, or accepted at their default value (checked below)
                                "metadata", "safety_identifier", "prompt_cache_key", "store", "service_tier",
-                               "modalities", "response_format", "tool_choice", "parallel_tool_calls"}
+                               "modalities", "tool_choice", "parallel_tool_calls"}
 NOT_SUPPORTED = {  # OpenAI's fields this server refuses, and why
     "suffix": "this server does not insert text before a suffix",
     "tools": "tools are not supported yet", "functions": "functions (tools) are not supported yet",
@@ -183,7 +192,6 @@ def check_fields(body: dict, chat: bool) -> None:
     defaults = [("store", (bool,), [False], "this server stores nothing"),
                 ("service_tier", (str,), ["auto", "default"], "this server has one tier (see 'priority')"),
                 ("modalities", (list,), [["text"]], "this server generates text only"),
-                ("response_format", (dict,), [{"type": "text"}], "structured output is not supported yet"),
                 ("tool_choice", (str, dict), ["none"], "tools are not supported yet")]
     for name, kinds, allowed, reason in defaults:
         value = _get(body, name, kinds)

@@ -255,8 +255,6 @@ REFUSED_CHAT = [
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "not supported yet"),
     ("functions", [{"name": "f"}], "not supported"),
     ("function_call", "auto", "not supported"),
-    ("response_format", {"type": "json_object"}, "not supported yet"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "not supported yet"),
     ("audio", {"voice": "alloy", "format": "wav"}, "text only"),
     ("modalities", ["text", "audio"], "text only"),
     ("prediction", {"type": "content", "content": "x"}, "not supported"),

@@ -1,5 +1,5 @@
 """Week 17 and issue 17: a request asking for logprobs, prompt logprobs, presence or frequency
-penalties or a `logit_bias` (which verification cannot give) runs in plain steps: no guesses
+penalties, a `logit_bias` or structured output (which verification cannot give) runs in plain steps: no guesses
 while it is in the engine, and exactly the answer of an engine without speculation."""
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 
 from nanoserve.engine import LLM, EngineConfig
 from nanoserve.sampling import SamplingParams
+from nanoserve.structured import grammar_for
 
 PROMPTS = ["the list, the list, the list, the", "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"]
 ASKING = [
@@ -16,6 +17,7 @@ ASKING = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.5),
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={264: -100.0}),
     SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3, logprobs=0, frequency_penalty=0.3),
+    SamplingParams(temperature=0, max_tokens=24, grammar=grammar_for({"type": "json_object"})),
 ]
 
 
@@ -30,7 +32,7 @@ def summary(out):
 
 
 @pytest.mark.parametrize("params", ASKING, ids=["logprobs", "prompt_logprobs", "presence", "frequency",
-                                                "logit_bias", "sampled"])
+                                                "logit_bias", "sampled", "grammar"])
 def test_requests_speculation_cannot_serve_get_plain_steps(params):
     plain = engine(None).generate(PROMPTS, params)
     spec = engine("ngram")
