@@ -11,6 +11,7 @@ the weights so that logits are spread out and generations vary.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,6 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
     tensor names, Q/K rows permuted for its RoPE, 2-D weights in `qtype` (norms stay F32), the
     config and the bundled tiny tokenizer in the metadata. Quantized with `gguf.quants` (the
     ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested."""
-    import json
 
     import gguf
     import numpy as np
@@ -309,3 +309,54 @@ class ServerThread:
                 return True
             time.sleep(0.02)
         return False
+
+
+# ------------------------------------------------------------------ JSON schemas (issue 17)
+
+
+def random_value_schema(rng, depth: int) -> dict:
+    """A random JSON schema for one value (`rng` a random.Random): what the structured-output tests send."""
+    kinds = ["string", "integer", "boolean", "enum", "array"] + (["object"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(2, 6)}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "cyan", "x", "yes no"], rng.randint(1, 4))}
+    if kind == "array":
+        item = random_value_schema(rng, depth + 1) if depth < 1 else {"type": "boolean"}
+        return {"type": "array", "items": item, "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 3)}
+    return random_object_schema(rng, depth + 1)
+
+
+def random_object_schema(rng, depth: int = 0) -> dict:
+    """A random object schema: 1 to 4 required properties, no others."""
+    names = rng.sample(["id", "name", "count", "ok", "tags", "color", "inner", "score", "meta"], rng.randint(1, 4))
+    properties = {name: random_value_schema(rng, depth) for name in names}
+    return {"type": "object", "properties": properties, "required": names, "additionalProperties": False}
+
+
+def max_bytes(schema: dict) -> int:
+    """The most UTF-8 bytes a compact JSON value of this schema can take. A character inside a
+    string takes at most 12 (an escaped surrogate pair, \\uXXXX\\uXXXX)."""
+    if "enum" in schema:
+        return max(2 + 12 * len(v) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + 12 * schema["maxLength"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "boolean":
+        return 5
+    if kind == "array":
+        return 2 + schema["maxItems"] * (max_bytes(schema["items"]) + 1)
+    return 2 + sum(len(json.dumps(k)) + 1 + max_bytes(v) + 1 for k, v in schema["properties"].items())
+
+
+def schema_format(schema: dict, name: str) -> dict:
+    """The `response_format` of a request asking for `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}

@@ -20,7 +20,7 @@ from openai import BadRequestError, OpenAI
 
 from nanoserve.sampling import Sampler, SamplingParams
 from nanoserve.structured import TokenConstraint, grammar_for, make_tokenizer
-from nanoserve.testing import ServerThread
+from nanoserve.testing import ServerThread, max_bytes, random_object_schema, schema_format
 
 MAX_MODEL_LEN = 1024
 
@@ -37,51 +37,6 @@ def client(server):
 
 
 # ------------------------------------------------------------------ random schemas, and their bounds
-
-
-def random_value_schema(rng: random.Random, depth: int) -> dict:
-    kinds = ["string", "integer", "boolean", "enum", "array"] + (["object"] if depth < 2 else [])
-    kind = rng.choice(kinds)
-    if kind == "string":
-        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(2, 6)}
-    if kind == "integer":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "cyan", "x", "yes no"], rng.randint(1, 4))}
-    if kind == "array":
-        item = random_value_schema(rng, depth + 1) if depth < 1 else {"type": "boolean"}
-        return {"type": "array", "items": item, "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 3)}
-    return random_object_schema(rng, depth + 1)
-
-
-def random_object_schema(rng: random.Random, depth: int = 0) -> dict:
-    names = rng.sample(["id", "name", "count", "ok", "tags", "color", "inner", "score", "meta"], rng.randint(1, 4))
-    properties = {name: random_value_schema(rng, depth) for name in names}
-    return {"type": "object", "properties": properties, "required": names, "additionalProperties": False}
-
-
-def max_bytes(schema: dict) -> int:
-    """The most UTF-8 bytes a compact JSON value of this schema can take. A character inside a
-    string takes at most 12 (an escaped surrogate pair, \\uXXXX\\uXXXX)."""
-    if "enum" in schema:
-        return max(2 + 12 * len(v) for v in schema["enum"])
-    kind = schema["type"]
-    if kind == "string":
-        return 2 + 12 * schema["maxLength"]
-    if kind == "integer":
-        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
-    if kind == "boolean":
-        return 5
-    if kind == "array":
-        return 2 + schema["maxItems"] * (max_bytes(schema["items"]) + 1)
-    return 2 + sum(len(json.dumps(k)) + 1 + max_bytes(v) + 1 for k, v in schema["properties"].items())
-
-
-def schema_format(schema: dict, name: str) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 PROMPT = "Answer in JSON."
@@ -164,19 +119,6 @@ def test_50_random_schemas_parse_and_validate(client):
     for schema, (text, finish) in zip(schemas, answers):
         assert finish == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
-
-
-def test_streaming_with_response_format(client):
-    rng = random.Random(3)
-    schema = random_object_schema(rng)
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=max_bytes(schema) + 1,
-                  response_format=schema_format(schema, "streamed"), temperature=1.0, seed=5)
-    whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert text == whole
-    jsonschema.validate(json.loads(text), schema)
 
 
 def test_text_format_changes_nothing(client):
