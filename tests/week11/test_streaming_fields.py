@@ -94,7 +94,12 @@ def test_streamed_chat_logprobs_equal_the_plain_ones(client):
     for chunk in client.chat.completions.create(stream=True, **kw):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
-    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in plain]
+    # The same tokens and alternatives; the logprobs to float32 rounding (the second request finds
+    # the prompt in the prefix cache, so its prefill runs other shapes: the last bits may differ).
+    assert [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in streamed] == \
+        [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in plain]
+    values = lambda items: [v for c in items for v in [c.logprob] + [t.logprob for t in c.top_logprobs]]
+    assert values(streamed) == pytest.approx(values(plain), abs=1e-4)
 
 
 def test_streamed_echo_starts_with_the_prompt(server):

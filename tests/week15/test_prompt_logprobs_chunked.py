@@ -47,8 +47,10 @@ def test_steps_with_prompt_rows_leave_the_graph_path(monkeypatch):
                         lambda self, step, t: replays.append(t) or run_mixed(self, step, t))
     plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-    eager = LLM("tiny", device="cpu", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24)
-    graphs = LLM("tiny", device="cpu", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24,
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU: Triton's interpreter
+    eager = LLM("tiny", device=device, dtype=torch.float32, block_size=8, enable_chunked_prefill=True,
+                max_num_batched_tokens=24)
+    graphs = LLM("tiny", device=device, dtype=torch.float32, block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24,
                  attention_backend="triton", cuda_graphs=True, max_num_seqs=4)
     graphs.generate(PROMPTS, plain)
     assert replays  # these prompts do make mixed steps that replay a graph...
