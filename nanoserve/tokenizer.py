@@ -8,6 +8,7 @@ a multi-byte UTF-8 character.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from nanoserve.loader import resolve_model_dir
@@ -40,13 +41,42 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Chat messages -> prompt token ids, formatted by the tokenizer's own chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Chat messages -> prompt token ids, formatted by the tokenizer's own chat template.
+
+        `tools` (issue 17): OpenAI's list of `{"type": "function", "function": {...}}`, handed to
+        the template, which writes them into the prompt its own way (`takes_tools` says whether
+        it does). Messages may carry `tool_calls` (arguments as dicts) and role `tool`, in
+        HuggingFace's convention."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template: use plain completions")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         # The template already wrote the BOS token; do not let encode add a second one.
         return self.encode(text, add_special_tokens=False)
+
+    @property
+    def tool_template(self) -> str | None:
+        """The chat template's text as used with tools (a tokenizer may keep a separate
+        "tool_use" template beside its default one), or None without a template."""
+        if not self.hf.chat_template:
+            return None
+        return self.hf.get_chat_template(tools=[])
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable. Parsed, not searched: a template
+        that merely mentions the word in its text does not count."""
+        source = self.tool_template
+        if source is None:
+            return False
+        from jinja2 import meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        # HF's own environment: templates may use its extensions ({% generation %}, loop controls).
+        environment = _compile_jinja_template(source).environment
+        return "tools" in meta.find_undeclared_variables(environment.parse(source))
 
 
 class IncrementalDetokenizer:

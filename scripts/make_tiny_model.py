@@ -26,11 +26,44 @@ import torch
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
-# The same shape of prompt as Llama 3's chat format, written for this tokenizer.
+# The same shape of prompt as Llama 3's chat format, written for this tokenizer. Tool calling
+# (issue 17) in the Llama 3.x manner: with `tools`, a system block lists the functions as JSON and
+# asks for a call as one JSON object {"name": ..., "parameters": {...}} (several joined by "; ");
+# an assistant message's `tool_calls` are written back in that form, and a `tool` message (the
+# function's result) comes under the `ipython` role, as Llama names it. Without tools and tool
+# messages the text is exactly what the template wrote before (tests/week10/test_tools.py checks).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{{ 'You may call the functions below. To call one, reply with a JSON object and nothing else: "
+    "{\"name\": <the function name>, \"parameters\": <an object of its arguments>}. To call several, "
+    "join their objects with \"; \". A function result comes back in an ipython message.\n\n' }}"
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\n' }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{{ message['content'] | tojson }}{% endif %}"
+    "{{ '<|eot_id|>' }}"
+    "{% elif message['tool_calls'] %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '; ' }}{% endif %}"
+    "{{ '{\"name\": ' + function['name'] | tojson + ', \"parameters\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}' }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
+    "{% else %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
