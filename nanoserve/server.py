@@ -31,6 +31,7 @@ from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
 from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.structured import GrammarError, check_grammar, grammar_for
+from nanoserve.tools import ToolCallStream, ToolError, ToolUse, tool_use
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
 
@@ -153,21 +154,25 @@ SHARED_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "user",  # informational only: no effect on generation
                  "top_k", "repetition_penalty", "ignore_eos", "priority"}  # nanoserve's own
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = SHARED_FIELDS | {"messages", "top_logprobs",
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                # informational only, or accepted at their default value (checked below)
                                "metadata", "safety_identifier", "prompt_cache_key", "store", "service_tier",
-                               "modalities", "tool_choice", "parallel_tool_calls"}
+                               "modalities"}
 NOT_SUPPORTED = {  # OpenAI's fields this server refuses, and why
     "suffix": "this server does not insert text before a suffix",
-    "tools": "tools are not supported yet", "functions": "functions (tools) are not supported yet",
-    "function_call": "functions (tools) are not supported yet",
+    "functions": "it is the deprecated name of 'tools': send the functions as 'tools' "
+                 "([{\"type\": \"function\", \"function\": {...}}])",
+    "function_call": "it is the deprecated name of 'tool_choice': send 'tool_choice' instead",
     "audio": "this server generates text only", "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this server runs no reasoning model", "verbosity": "this server runs no reasoning model",
     "web_search_options": "this server cannot search the web", "moderation": "this server runs no moderation",
     "prompt_cache_options": "the prefix cache is automatic and has no options",
     "prompt_cache_retention": "the prefix cache is automatic and has no options",
 }
-MESSAGE_FIELDS = {"role", "content"}
+MESSAGE_FIELDS = {  # the keys a message of each role may have (issue 17: tool calls and their results)
+    "system": {"role", "content"}, "user": {"role", "content"},
+    "assistant": {"role", "content", "tool_calls"}, "tool": {"role", "content", "tool_call_id"},
+}
 
 
 def check_fields(body: dict, chat: bool) -> None:
@@ -185,14 +190,12 @@ def check_fields(body: dict, chat: bool) -> None:
     # Fields accepted only where they change nothing (their default, or information for OpenAI's own use).
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         _get(body, name, (str,))
-    _get(body, "parallel_tool_calls", (bool,))  # without tools, it has nothing to act on
     metadata = _get(body, "metadata", (dict,), {})
     if not all(isinstance(v, str) for v in metadata.values()):
         raise APIError(400, "'metadata' maps strings to strings", param="metadata")
     defaults = [("store", (bool,), [False], "this server stores nothing"),
                 ("service_tier", (str,), ["auto", "default"], "this server has one tier (see 'priority')"),
-                ("modalities", (list,), [["text"]], "this server generates text only"),
-                ("tool_choice", (str, dict), ["none"], "tools are not supported yet")]
+                ("modalities", (list,), [["text"]], "this server generates text only")]
     for name, kinds, allowed, reason in defaults:
         value = _get(body, name, kinds)
         if value is not None and value not in allowed:
@@ -223,6 +226,66 @@ def message_text(content: str | list, index: int) -> str:
                            param=param)
         texts.append(part["text"])
     return "\n".join(texts)  # as vLLM joins them
+
+
+def template_messages(messages: Any, takes_tools: bool) -> list[dict]:
+    """The request's `messages`, checked, as the chat template gets them: each `content` one
+    string; an assistant's `tool_calls` and a tool message's `tool_call_id` (issue 17) in
+    HuggingFace's convention. `takes_tools`: whether the template can write tool messages."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
+    return [template_message(m, i, takes_tools) for i, m in enumerate(messages)]
+
+
+def template_message(m: Any, i: int, takes_tools: bool) -> dict:
+    """One message (the i-th) as the chat template gets it."""
+    role = m.get("role") if isinstance(m, dict) else None
+    calls = m.get("tool_calls") if role == "assistant" else None
+    content = m.get("content") if role else None
+    if role not in MESSAGE_FIELDS or not (isinstance(content, (str, list)) or (content is None and calls)):
+        raise APIError(400, "each message needs a 'role' (system, user, assistant or tool) and a 'content' (a string "
+                            "or a list of text parts; null only beside an assistant's 'tool_calls')", param="messages")
+    for key in m:
+        if key not in MESSAGE_FIELDS[role] and m[key] is not None:
+            raise APIError(400, f"'messages[{i}].{key}' is not supported: the chat template gets a {role} message's "
+                                f"{', '.join(sorted(MESSAGE_FIELDS[role]))} only", param=f"messages[{i}].{key}")
+    out = {"role": role, "content": None if content is None else message_text(content, i)}
+    if (calls or role == "tool") and not takes_tools:
+        param = f"messages[{i}].tool_calls" if calls else f"messages[{i}].role"
+        raise APIError(400, "this model's chat template does not take tools, so it cannot write tool calls or "
+                            "their results into the prompt", param=param)
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise APIError(400, f"'messages[{i}].tool_calls' must be a list", param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = [template_tool_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
+    if role == "tool":
+        tool_call_id = m.get("tool_call_id")
+        if not isinstance(tool_call_id, str):
+            raise APIError(400, f"'messages[{i}].tool_call_id' is required: the id of the call this message "
+                                "answers", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = tool_call_id
+    return out
+
+
+def template_tool_call(call: Any, param: str) -> dict:
+    """One of an assistant message's `tool_calls`, OpenAI's shape, as HuggingFace templates read
+    it: the same, but `arguments` decoded from its JSON string into an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and call.get("type", "function") == "function"
+            and isinstance(call.get("id", ""), str) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str) and set(call) <= {"id", "type", "function"}
+            and set(function) == {"name", "arguments"}):
+        raise APIError(400, f"'{param}' must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                            "\"arguments\": \"<a JSON object, as a string>\"}}}}", param=param)
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"'{param}.function.arguments' must be a JSON object written as a string, got "
+                            f"{function['arguments']!r}", param=f"{param}.function.arguments")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": call["id"], **out} if "id" in call else out
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -376,30 +439,35 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         check_fields(body, chat=True)
         params = sampling_params_from(body, default_max_tokens)
         params, n, _ = openai_fields(body, params, chat=True, vocab_size=vocab_size)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), (str, list))):
-                raise APIError(400, "each message needs a 'role' (system, user or assistant) and a "
-                                    "'content' (a string or a list of text parts)", param="messages")
-            for key in m:
-                if key not in MESSAGE_FIELDS and m[key] is not None:
-                    raise APIError(400, f"'messages[{i}].{key}' is not supported: the chat template gets each "
-                                        "message's role and content only", param=f"messages[{i}].{key}")
+        messages = template_messages(body.get("messages"), tokenizer.takes_tools)
+        tools, params = chat_tools(body, params)
         try:
-            prompt_ids = tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": message_text(m["content"], i)} for i, m in enumerate(messages)])
+            prompt_ids = tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         check_length(prompt_ids, params, "messages")
-        return await respond(request, body, [prompt_ids], params, chat=True, n=n)
+        return await respond(request, body, [prompt_ids], params, chat=True, n=n, tools=tools)
+
+    def chat_tools(body: dict, params: SamplingParams) -> tuple[ToolUse | None, SamplingParams]:
+        """A chat request's tools (nanoserve/tools.py), and its params with the grammar of a call
+        when `tool_choice` requires one."""
+        try:
+            tools = tool_use(body, tokenizer.tool_template, tokenizer.takes_tools)
+            grammar = tools.grammar() if tools else None
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if grammar is None:
+            return tools, params
+        if params.grammar is not None:
+            raise APIError(400, "'response_format' cannot be used with a 'tool_choice' that requires a call: the "
+                                "call's own schema constrains the output", param="response_format")
+        return tools, dataclasses.replace(params, grammar=grammar)
 
     async def respond(request: Request, body: dict, prompt_ids: list[list[int]], params: SamplingParams,
-                      chat: bool, n: int = 1, echo: list[str] | None = None):
+                      chat: bool, n: int = 1, echo: list[str] | None = None, tools: ToolUse | None = None):
         """Generate n choices per prompt, all at once or streamed: choice k is the (k % n)-th of
-        prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front."""
+        prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front;
+        `tools`: a chat's tools, whose calls are parsed from the answers."""
         stream = _get(body, "stream", (bool,), False)
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         priority = _get(body, "priority", (int,), 0)
@@ -447,8 +515,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 outputs = with_echo(outputs, [echo[k // n] for k in range(total)],
                                     [firsts[k - k % n].prompt_logprobs for k in range(total)])
             logprobs = StreamLogprobs(token_strings, chat)
-            return StreamingResponse(sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs),
-                                     media_type="text/event-stream",
+            tool_calls = _no_tool_calls
+            if tools is not None:  # text that may be a tool call is held back (nanoserve/tools.py)
+                tool_calls = ToolCallStream(tools)
+                outputs = tool_calls.wrap(outputs)
+            events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         tasks = [asyncio.ensure_future(collect(request, o, f)) for o, f in zip(streams, firsts)]
         try:
@@ -460,10 +532,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
                                            "param": None, "code": None}}, status_code=499)
         usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
-        if chat:
-            choices = [{"index": k, "message": {"role": "assistant", "content": last.text},
+        if chat:  # with tools, an answer may be tool calls (nanoserve/tools.py)
+            answers = [tools.message(last.text, last.finish_reason) if tools else
+                       ({"role": "assistant", "content": last.text}, last.finish_reason) for last in lasts]
+            choices = [{"index": k, "message": message,
                         "logprobs": None if last.logprobs is None else chat_logprobs(last.logprobs, token_strings),
-                        "finish_reason": last.finish_reason} for k, last in enumerate(lasts)]
+                        "finish_reason": reason} for k, (last, (message, reason)) in enumerate(zip(lasts, answers))]
             return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
         choices = []
         for k, last in enumerate(lasts):
@@ -660,23 +734,30 @@ def _no_logprobs(index: int, out: RequestOutput) -> None:
     return None
 
 
+def _no_tool_calls(index: int, out: RequestOutput) -> None:
+    return None
+
+
 async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int,
-                     logprobs=_no_logprobs):
+                     logprobs=_no_logprobs, tool_calls=_no_tool_calls):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
     `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). `logprobs(index,
     out)` gives the choice's `logprobs` object for the tokens an output delivers (`StreamLogprobs`;
-    None when the request did not ask for them). If the client disconnects, Starlette cancels this
-    generator; closing `outputs` in the `finally` aborts the requests on the engine thread, which
-    frees their KV blocks.
+    None when the request did not ask for them). `tool_calls(index, out)` gives the tool calls a
+    chat choice's output delivers (`ToolCallStream`; None without tools). If the client
+    disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
+    requests on the engine thread, which frees their KV blocks.
     """
     # >>> week11: sse-events
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, delta: str | None, finish_reason: str | None, role: bool = False,
-              found: dict | None = None) -> str:
+              found: dict | None = None, calls: list | None = None) -> str:
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            if calls:
+                d["tool_calls"] = calls
             choice = {"index": index, "delta": d, "logprobs": found, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": delta or "", "logprobs": found, "finish_reason": finish_reason}
@@ -693,8 +774,9 @@ async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, promp
                 started.add(index)
                 yield chunk(index, None, None, role=True)
             found = logprobs(index, out)  # on the chunk with the text, else on the final one
-            if out.delta:
-                yield chunk(index, out.delta, None, found=found)
+            calls = tool_calls(index, out)
+            if out.delta or calls:
+                yield chunk(index, out.delta or None, None, found=found, calls=calls)
                 found = None
             if out.finished:
                 yield chunk(index, None if chat else "", out.finish_reason, found=found)

@@ -250,11 +250,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "tempe
 COMPLETION = {"prompt": "The list", "max_tokens": 3, "temperature": 0}
 
 REFUSED_CHAT = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "not supported yet"),
-    ("tool_choice", "auto", "not supported yet"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "not supported yet"),
-    ("functions", [{"name": "f"}], "not supported"),
-    ("function_call", "auto", "not supported"),
+    ("functions", [{"name": "f"}], "deprecated name of 'tools'"),  # tools: tests/week10/test_tools.py
+    ("function_call", "auto", "deprecated name of 'tool_choice'"),
     ("audio", {"voice": "alloy", "format": "wav"}, "text only"),
     ("modalities", ["text", "audio"], "text only"),
     ("prediction", {"type": "content", "content": "x"}, "not supported"),
@@ -317,11 +314,12 @@ def test_informational_and_default_fields_are_accepted_without_effect(server):
     assert resp.status_code == 200, resp.text
 
 
-def test_the_official_client_gets_a_400_for_tools(client):
-    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+def test_the_official_client_gets_a_400_for_functions(client):
+    """The deprecated `functions` is refused, pointing to `tools` (which works: test_tools.py)."""
+    functions = [{"name": "now", "parameters": {"type": "object", "properties": {}}}]
     with pytest.raises(BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=tools)
-    assert "tools" in err.value.message
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], functions=functions)
+    assert "'functions'" in err.value.message and "'tools'" in err.value.message
 
 
 def openai_fields(module: str) -> set[str]:
