@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -38,6 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(out.delta, end="", flush=True)
             n = len(out.token_ids)
     elapsed = time.perf_counter() - start
+    engine.close()
     print()
     print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, KV cache on]", file=sys.stderr)
     return 0
@@ -210,6 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
+    """Week 18: started by torchrun, ranks other than 0 do not run the command: they are the
+    engine's workers (rank 0 runs it, and drives them). True once such a rank is done."""
+    from nanoserve.parallel import rank_device, torchrun_rank, worker_main
+
+    found = torchrun_rank()
+    if found is None or found[0] == 0 or not hasattr(args, "tensor_parallel_size"):
+        return False
+    from nanoserve.engine import EngineConfig, default_device
+
+    rank, size = found
+    if args.tensor_parallel_size != size:
+        raise ValueError(f"torchrun started {size} ranks but --tensor-parallel-size is {args.tensor_parallel_size}")
+    config = EngineConfig.from_args(args)
+    config.device = config.device or default_device()
+    init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    worker_main(config, rank, size, init, config.distributed_timeout, rank_device(config.device, rank))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course.py
@@ -218,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return course_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if worker_rank_under_torchrun(args):
+            return 0
         return args.func(args)
     except (FileNotFoundError, ValueError) as e:  # user errors: a message, not a traceback
         print(f"nanoserve: error: {e}", file=sys.stderr)

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import itertools
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,8 @@ import torch
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels import select_backend
 from nanoserve.loader import load_model, resolve_model_dir
+from nanoserve.model import Llama
+from nanoserve.parallel import WorkerFailed
 from nanoserve.runner import ModelRunner
 from nanoserve.sampling import Sampler, SamplingParams, TokenLogprob
 from nanoserve.scheduler import Scheduler, Sequence
@@ -180,6 +184,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
+    tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
+    distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
+    distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -232,6 +239,13 @@ class EngineConfig:
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
                        help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many GPUs (or CPU processes), one process each (week 18)")
+        p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
+                       help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
+                            "hosts of a Ray cluster (ray; needs `pip install ray`)")
+        p.add_argument("--distributed-timeout", type=float, default=300.0,
+                       help="seconds a rank waits for the others before the engine fails (default: 300)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -247,35 +261,134 @@ class EngineConfig:
                    num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
                    speculative_max_batch=args.speculative_max_batch, ngram_min=args.ngram_min,
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
-                   gpu_memory_utilization=args.gpu_memory_utilization)
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   tensor_parallel_size=args.tensor_parallel_size, distributed_executor=args.distributed_executor,
+                   distributed_timeout=args.distributed_timeout)
+
+
+@dataclass
+class DeviceSide:
+    """What one rank holds on its device: the model (a shard of it, with tensor parallelism),
+    the runner with its KV pool and CUDA graphs, and the figures they were built from."""
+
+    model: Llama
+    runner: ModelRunner
+    num_blocks: int
+    max_model_len: int
+    attention_backend: str
+    kv_sizing: dict | None  # on a GPU: the measured figures behind the pool's size
+
+
+def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
+    """Load the model and build its runner on `c.device`. `group` (week 18): this rank's place
+    in a tensor-parallel group; every rank calls this with the same config, and their collective
+    steps (the measured step, the CUDA graph captures) pair up."""
+    device = c.device
+    attention_backend = select_backend(device, c.attention_backend)
+    dtype = c.dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if group is None:
+        model = load_model(c.model, dtype=dtype, device=device)
+    else:  # load whole on the CPU, keep this rank's shard, then move it
+        from nanoserve.parallel import shard_model
+
+        model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
+    cfg = model.config
+    max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
+    # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
+    # anything: that is how the CPU tests check them.
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
+        and attention_backend == "triton"
+    runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
+                       max_model_len=max_model_len, max_batch=c.max_num_seqs,
+                       verify_tokens=c.num_speculative_tokens if c.speculative else 0,
+                       verify_batch=c.speculative_max_batch,
+                       mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
+                       fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
+    kv_sizing = None
+    num_blocks = c.num_blocks
+    if num_blocks is None:
+        num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args)
+    if group is not None:  # the block tables must fit on every rank
+        from nanoserve.parallel import min_over_ranks
+
+        num_blocks = min_over_ranks(group, num_blocks)
+    runner = ModelRunner(model, num_blocks, c.block_size, **runner_args)
+    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
+
+
+def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict) -> tuple[int, dict | None]:
+    """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what is
+    left of `gpu_memory_utilization` of its memory once the weights and the measured peak of the
+    largest step (and the CUDA graphs) are accounted for. Also returns those measured figures."""
+    cfg = model.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    if c.kv_cache_memory is not None:
+        return max(1, c.kv_cache_memory // per_block), None
+    if not c.device.startswith("cuda"):
+        return max(1, 256 * 2**20 // per_block), None
+    step_bytes = ModelRunner.measure_step_memory(model, c.block_size, c.max_num_batched_tokens, **runner_args)
+    free, total = torch.cuda.mem_get_info()
+    budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
+    if budget < per_block:
+        raise ValueError(
+            f"no GPU memory is left for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights and "
+            f"other processes), a step needs {step_bytes / 2**30:.1f} GiB more, and gpu_memory_utilization is "
+            f"{c.gpu_memory_utilization}: raise it, lower max_num_batched_tokens or max_num_seqs, or free the GPU"
+        )
+    return budget // per_block, dict(step_bytes=step_bytes, budget_bytes=budget, total_bytes=total)
+
+
+def start_tensor_parallel(c: EngineConfig):
+    """Week 18: start ranks 1..N-1 (or, under torchrun, find them) and join them as rank 0.
+    Returns (rank 0's Group, the Workers handle)."""
+    from nanoserve.parallel import Workers, init_group, rank_device, torchrun_rank
+
+    if c.speculative is not None:
+        raise ValueError("speculative decoding is not combined with tensor parallelism yet: use one of them")
+    if torchrun_rank() is not None:
+        rank, size = torchrun_rank()
+        if rank != 0 or size != c.tensor_parallel_size:
+            raise ValueError(f"under torchrun the engine is built on rank 0 with --tensor-parallel-size equal to "
+                             f"WORLD_SIZE ({size}); the other ranks run nanoserve.parallel.worker_main")
+        init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        group = init_group(0, size, init, rank_device(c.device, 0), c.distributed_timeout)
+        return group, Workers.started_elsewhere(group, c.distributed_timeout)
+    workers = Workers(c, c.tensor_parallel_size, c.distributed_executor, c.distributed_timeout)
+    try:
+        workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, rank_device(c.device, 0),
+                                   c.distributed_timeout)
+    except BaseException:
+        workers.close()
+        raise
+    return workers.group, workers
 
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
-        self.config = c = config or EngineConfig()
-        device = c.device or default_device()
-        self.attention_backend = select_backend(device, c.attention_backend)
-        dtype = c.dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        c = config or EngineConfig()
+        self.config = c = dataclasses.replace(c, device=c.device or default_device())
         model_dir = resolve_model_dir(c.model)
         self.model_name = str(c.model)
         self.tokenizer = Tokenizer(model_dir)
-        self.model = load_model(model_dir, dtype=dtype, device=device)
+        # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks
+        # build the same device side (`build_device_side`) and run the steps it broadcasts.
+        self.workers, group = None, None
+        if c.tensor_parallel_size > 1:
+            group, self.workers = start_tensor_parallel(c)
+        try:
+            side = build_device_side(c, group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+        self.model, self.runner, self.kv_sizing = side.model, side.runner, side.kv_sizing
+        self.attention_backend, self.max_model_len = side.attention_backend, side.max_model_len
+        self.runner.workers = self.workers
+        if self.workers is not None:  # stop them when this engine goes away, or at exit
+            weakref.finalize(self, self.workers.close)
         cfg = self.model.config
-        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
-        # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
-        # anything: that is how the CPU tests check them.
-        use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
-            and self.attention_backend == "triton"
-        runner_args = dict(attention_backend=self.attention_backend, cuda_graphs=use_graphs,
-                           max_model_len=self.max_model_len, max_batch=c.max_num_seqs,
-                           verify_tokens=c.num_speculative_tokens if c.speculative else 0,
-                           verify_batch=c.speculative_max_batch,
-                           mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
-                           fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
-        self.kv_sizing: dict | None = None  # on a GPU: the measured figures behind the pool's size
-        num_blocks = c.num_blocks or self._kv_pool_blocks(device, dtype, runner_args)
-        self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+        self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
                                    scheduling=c.scheduling_policy)
@@ -283,7 +396,6 @@ class Engine:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
                           "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
                           "make no progress; raise --max-num-batched-tokens or lower --max-num-seqs", stacklevel=2)
-        self.runner = ModelRunner(self.model, num_blocks, c.block_size, **runner_args)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -311,28 +423,6 @@ class Engine:
 
         return c.scheduler_policy == "continuous" and 14 not in stubbed_weeks()
 
-    def _kv_pool_blocks(self, device: str, dtype: torch.dtype, runner_args: dict) -> int:
-        """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what
-        is left of `gpu_memory_utilization` of its memory once the weights and the measured
-        peak of the largest step (and the CUDA graphs) are accounted for."""
-        c, cfg = self.config, self.model.config
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        if c.kv_cache_memory is not None:
-            return max(1, c.kv_cache_memory // per_block)
-        if not device.startswith("cuda"):
-            return max(1, 256 * 2**20 // per_block)
-        step_bytes = ModelRunner.measure_step_memory(self.model, c.block_size, c.max_num_batched_tokens, **runner_args)
-        free, total = torch.cuda.mem_get_info()
-        budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
-        if budget < per_block:
-            raise ValueError(
-                f"no GPU memory is left for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights and "
-                f"other processes), a step needs {step_bytes / 2**30:.1f} GiB more, and gpu_memory_utilization is "
-                f"{c.gpu_memory_utilization}: raise it, lower max_num_batched_tokens or max_num_seqs, or free the GPU"
-            )
-        self.kv_sizing = dict(step_bytes=step_bytes, budget_bytes=budget, total_bytes=total)
-        return budget // per_block
-
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -345,6 +435,8 @@ class Engine:
         must be looked for as the text grows).
         """
         params = params or SamplingParams()
+        if self.workers is not None and self.workers.failed is not None:
+            raise WorkerFailed(self.workers.failed)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -392,6 +484,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
+        if self.workers is not None:
+            self.workers.close()
 
     def spec_stats(self) -> dict | None:
         """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
@@ -506,6 +603,16 @@ class LLM:
         config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **engine_config)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's other ranks (with tensor parallelism); nothing to do otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -624,6 +731,13 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self.thread.join(timeout)
+        self.engine.close()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine can serve no more (a tensor-parallel rank died), or None."""
+        workers = self.engine.workers
+        return None if workers is None else workers.failed
 
     # -- the asyncio side --------------------------------------------------------------------
 
@@ -689,7 +803,7 @@ class AsyncEngine:
                     self.request_ids[key] = self.engine.add_request(prompt, params,
                                                                     priority=options.get("priority", 0))
                     self.options[key] = options
-                except ValueError as e:  # e.g. a prompt that can never fit: tell that request only
+                except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)
                     del self.streams[key]
             else:

@@ -55,6 +55,7 @@ class ModelRunner:
                  fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0):
         self.model = model
         self.device = model.embed_tokens.weight.device
+        self.workers = None  # week 18, on the driver: the other ranks (nanoserve.parallel.Workers)
         self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # issue 17: seq_id -> position -> logprob
         cfg = model.config
         # Week 12: CUDA graphs need one block beyond the pool the scheduler hands out: the
@@ -147,9 +148,16 @@ class ModelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order."""
         step = self.step_input(batch)
+        prompt_rows = self.prompt_rows(batch, step)  # issue 17: rows whose logits are kept, in eager steps only
+        if self.workers is not None:  # week 18: every rank runs the same step
+            return self.workers.run_step(self.run, step, prompt_rows)
+        return self.run(step, prompt_rows)
+
+    @torch.no_grad()
+    def run(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+        """`execute` once the step is plain data: what every rank of a tensor-parallel group runs."""
         if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
             return self.graphs.run(step)  # week 12: one replay
-        prompt_rows = self.prompt_rows(batch, step)  # issue 17: rows whose logits are kept, in eager steps only
         q = self.graphs.verify_shape(step) if self.graphs is not None and not prompt_rows else None
         if q is not None:
             return self.graphs.run_verify(step, q)  # week 17: a verification step, one replay
