@@ -95,6 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.server import create_app
 
     _configure_logging(args.log_level)
+    if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/data_parallel.py)
+        from nanoserve.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args, args.argv)
     engine = Engine(EngineConfig.from_args(args))
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
@@ -177,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="run this many engine replicas (each with --tensor-parallel-size GPUs) on ports "
+                          "--port+1.. behind a front on --port that routes each request to the replica with the "
+                          "fewest outstanding tokens (week 18)")
+    srv.add_argument("--replica-start-timeout", type=float, default=600.0,
+                     help="--data-parallel-size: seconds to wait for the replicas to be healthy")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
@@ -239,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return course_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)  # what --data-parallel-size hands on to its replicas
     try:
         if worker_rank_under_torchrun(args):
             return 0

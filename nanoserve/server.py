@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
+from nanoserve.parallel import WorkerFailed
 from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.structured import GrammarError, check_grammar, grammar_for
@@ -360,6 +361,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get("/health")
     async def health():
         free, total = engine.kv_blocks()
+        if engine.failed is not None:  # week 18: a load balancer should take this replica out
+            return JSONResponse({"status": "failed", "error": engine.failed}, status_code=503)
         return {"status": "ok", "requests_in_flight": engine.num_pending,
                 "kv_blocks_free": free, "kv_blocks_total": total}
 
@@ -497,6 +500,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                         raise result
                     firsts[k] = result
             started = True
+        except WorkerFailed as e:  # week 18: a rank of the engine is gone; nothing more can run
+            raise APIError(503, f"the engine cannot serve: {e}", code="engine_failed", type_="server_error") from None
         except (QueueFull, ValueError) as e:
             if isinstance(e, ValueError):
                 raise APIError(400, str(e)) from None

@@ -1,0 +1,156 @@
+"""Week 18: replicas behind one front (data parallelism), and a tensor-parallel server that fails loudly."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from nanoserve.data_parallel import Replica, Router, create_front, estimate_tokens, replica_argv, wait_healthy
+from nanoserve.testing import ServerThread
+
+
+def test_the_router_picks_the_fewest_outstanding_tokens():
+    router = Router([Replica("a"), Replica("b"), Replica("c")])
+    long = router.pick(4000)  # a long document goes to one replica...
+    short = [router.pick(10) for _ in range(6)]  # ...and the next short ones avoid it
+    assert long not in short and {r.url for r in short} == {"b", "c"}
+    assert [r.outstanding for r in router.replicas] == [4000, 30, 30]
+    router.done(long, 4000)
+    assert router.pick(10) is long  # free again: the least loaded
+    assert long.in_flight == 1 and long.sent == 2
+
+
+def test_ties_are_taken_in_turn_and_unhealthy_replicas_skipped():
+    router = Router([Replica("a"), Replica("b")])
+    first = router.pick(1)
+    router.done(first, 1)
+    second = router.pick(1)
+    assert second is not first
+    router.done(second, 1)
+    router.replicas[0].healthy = False
+    assert {router.pick(1).url for _ in range(3)} == {"b"}
+    router.replicas[1].healthy = False
+    with pytest.raises(LookupError):
+        router.pick(1)
+
+
+def test_a_request_is_counted_by_its_tokens():
+    words = lambda text: len(text.split())  # noqa: E731
+    assert estimate_tokens({"prompt": "one two three", "max_tokens": 5}, words) == 8
+    assert estimate_tokens({"prompt": ["a b", "c"], "max_tokens": 2, "n": 3}, words) == ((2 + 2) + (1 + 2)) * 3
+    assert estimate_tokens({"prompt": [5, 6, 7, 8]}, words) == 4 + 16  # token ids; max_tokens' default
+    chat = {"messages": [{"role": "user", "content": "hi there"},
+                         {"role": "user", "content": [{"type": "text", "text": "and you"}]}],
+            "max_completion_tokens": 10}
+    assert estimate_tokens(chat, words) == 4 + 10
+
+
+def test_replicas_get_the_front_options_but_their_own_address():
+    argv = ["serve", "--model", "tiny", "--port", "9000", "--data-parallel-size=2", "--host", "0.0.0.0", "-tp", "2"]
+    assert replica_argv(argv) == ["serve", "--model", "tiny", "-tp", "2"]
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    with ServerThread(engine_kwargs=dict(dtype=torch.float32)) as a, \
+            ServerThread(engine_kwargs=dict(dtype=torch.float32)) as b:
+        yield [a, b]
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+@pytest.fixture
+def front(replicas):
+    import uvicorn
+
+    app = create_front([r.url for r in replicas] + [_dead_url()])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app.state.router
+    server.should_exit = True
+    thread.join(10)
+
+
+BODY = dict(model="tiny", prompt="The list", max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_the_front_spreads_requests_and_answers_like_one_replica(front, replicas):
+    url, router = front
+    direct = httpx.post(replicas[0].url + "/v1/completions", json=BODY, timeout=60).json()
+    with httpx.Client(timeout=60) as client:
+        answers = [client.post(url + "/v1/completions", json=BODY) for _ in range(6)]
+    assert all(r.status_code == 200 for r in answers)
+    assert {r.json()["choices"][0]["text"] for r in answers} == {direct["choices"][0]["text"]}
+    served = {r.headers["x-nanoserve-replica"] for r in answers}
+    assert served == {"0", "1"}  # both live replicas; the dead one (2) was taken out
+    assert not router.replicas[2].healthy and router.replicas[2].error
+    assert [r.outstanding for r in router.replicas] == [0, 0, 0]  # every request finished and was counted out
+
+
+def test_streams_pass_through_and_health_reports_each_replica(front):
+    url, router = front
+    with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 8 + 2  # a chunk per token, the final one, [DONE]
+    health = httpx.get(url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert [s["healthy"] for s in health.json()["replicas"]] == [True, True, False]
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+    bad = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 0}, timeout=30)
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]  # the replica's own answer
+
+
+@pytest.mark.slow
+def test_serve_with_two_replicas_from_the_command_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
+           "--data-parallel-size", "2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy([url], [proc], timeout=120)
+        replicas = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+        assert all(httpx.get(u + "/health").status_code == 200 for u in replicas)
+        served = {httpx.post(url + "/v1/completions", json=BODY, timeout=60).headers["x-nanoserve-replica"]
+                  for _ in range(4)}
+        assert served == {"0", "1"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    for i in (1, 2):  # the replicas went with it
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=2)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_answers_503_once_a_rank_is_gone():
+    kwargs = dict(dtype=torch.float32, tensor_parallel_size=2)
+    with ServerThread(engine_kwargs=kwargs) as server:
+        assert httpx.post(server.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
+        os.kill(server.engine.workers.procs[0].pid, signal.SIGKILL)
+        time.sleep(0.5)
+        failed = httpx.post(server.url + "/v1/completions", json=BODY, timeout=60)
+        assert failed.status_code in (500, 503) and "rank 1" in failed.json()["error"]["message"]
+        again = httpx.post(server.url + "/v1/completions", json=BODY, timeout=60)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]
