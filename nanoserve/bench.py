@@ -344,6 +344,8 @@ def bench_throughput(args) -> dict:
 
     model_dir = resolve_model_dir(args.model)
     prompts, lengths = throughput_workload(args.num_requests, _vocab(model_dir), args.prompt_range, args.output_range)
+    if args.data_parallel_size > 1:  # week 18: replicas, each with its share of the prompts
+        return throughput_data_parallel(args, model_dir, prompts, lengths)
     llm = LLM(replace(EngineConfig.from_args(args), model=model_dir, trace=True))
     engine = llm.engine
     device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
@@ -406,6 +408,36 @@ def bench_throughput(args) -> dict:
 
     def draw(ax):
         ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])
+        ax.set_xlabel("output tokens/s")
+
+    _save(args, "throughput", result, draw)
+    return result
+
+
+def throughput_data_parallel(args, model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """Week 18: the same workload over --data-parallel-size replicas (processes on GPUs of their
+    own: `nanoserve.data_parallel.generate_data_parallel`), timed from all loaded to all done."""
+    from nanoserve.data_parallel import generate_data_parallel
+    from nanoserve.engine import EngineConfig, default_device
+    from nanoserve.sampling import SamplingParams
+
+    config = replace(EngineConfig.from_args(args), model=model_dir)
+    config.device = config.device or default_device()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs, elapsed = generate_data_parallel(config, prompts, params, args.data_parallel_size)
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    assert out_tokens == sum(lengths), "every request must produce exactly its output length"
+    n = args.data_parallel_size
+    rows = [dict(engine=f"nanoserve, {n} replicas", output_tok_s=out_tokens / elapsed, seconds=elapsed)]
+    print_table(f"offline throughput: {args.num_requests} requests over {n} replicas, prompts "
+                f"U{list(args.prompt_range)}, outputs U{list(args.output_range)} ({out_tokens} output tokens)", rows,
+                [("engine", "engine", ""), ("output_tok_s", "output tok/s", ",.0f"), ("seconds", "seconds", ".2f")])
+    result = dict(model=str(args.model), num_requests=args.num_requests, prompt_len=args.prompt_range,
+                  output_len=args.output_range, output_tokens=out_tokens, data_parallel_size=n,
+                  tensor_parallel_size=config.tensor_parallel_size, rows=rows)
+
+    def draw(ax):
+        ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color="tab:blue")
         ax.set_xlabel("output tokens/s")
 
     _save(args, "throughput", result, draw)
@@ -588,7 +620,8 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
     out = []
     for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "scheduler_policy", "scheduling_policy", "speculative", "draft_model"):
+                 "scheduler_policy", "scheduling_policy", "speculative", "draft_model", "tensor_parallel_size",
+                 "distributed_executor", "data_parallel_size"):
         value = getattr(args, name)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
@@ -631,6 +664,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="latency, throughput: where the time of a decode step goes")
     p.add_argument("--check", choices=sorted(TRACKS), default=None,
                    help="serving: run a capstone track's workload and check its targets (weeks/capstone/README.md)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="throughput: split the requests over this many replicas, each a process on GPUs of its "
+                        "own; serving: serve them behind the data-parallel front (week 18)")
     bench_prefix.add_arguments(p)
     bench_spec.add_arguments(p)
     EngineConfig.add_arguments(p)  # the engine's own options: --model, --device, --max-num-seqs, ...

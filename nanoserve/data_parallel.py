@@ -22,9 +22,11 @@ processes behind a load balancer such as nginx (docs/data_parallel.md has a conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -282,3 +284,68 @@ def wait_healthy(urls: list[str], procs: list, timeout: float) -> None:
         if pending:
             time.sleep(0.5)
 
+
+
+# ------------------------------------------------------------------- offline: LLM.generate × N
+
+
+def generate_data_parallel(config, prompts: list, params: list, size: int) -> tuple[list, float]:
+    """Offline generation over `size` replicas: replica i, a process of its own on its own GPU(s),
+    generates prompts i, i + size, i + 2·size, ... Returns (the outputs, in prompt order; the
+    seconds from the moment every replica was loaded and warm to the moment the last finished),
+    so that loading is not counted, as in `nanoserve bench throughput`."""
+    procs = []
+    cuda = config.device.startswith("cuda")
+    for i in range(size):
+        env = dict(os.environ)
+        if cuda:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(i, config.tensor_parallel_size)
+        p = subprocess.Popen([sys.executable, "-m", "nanoserve.data_parallel"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+        pickle.dump((config, prompts[i::size], params[i::size]), p.stdin)
+        p.stdin.flush()
+        procs.append(p)
+    try:
+        for i, p in enumerate(procs):  # each says when it is loaded and warm
+            if p.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"replica {i} failed while loading (exit code {p.wait()})")
+        start = time.perf_counter()
+        for p in procs:  # go
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        results = [pickle.load(p.stdout) for p in procs]
+        elapsed = time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.wait(timeout=60)
+    outputs = [None] * len(prompts)
+    for i, outs in enumerate(results):
+        outputs[i::size] = outs
+    return outputs, elapsed
+
+
+def _replica_main() -> None:
+    """One offline replica (`generate_data_parallel`): load, warm up, say "ready", wait for "go",
+    generate, send the outputs back pickled."""
+    from nanoserve.engine import LLM
+    from nanoserve.sampling import SamplingParams
+
+    config, prompts, params = pickle.load(sys.stdin.buffer)
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed from here on must not mix with the pickles
+    if config.device.startswith("cuda"):
+        config = dataclasses.replace(config, device="cuda")  # this process sees its own GPUs only
+    with LLM(config) as llm:
+        llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8)] * len(prompts[:4]), use_tqdm=False)
+        out.write(b"ready\n")
+        out.flush()
+        sys.stdin.buffer.readline()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for o in outputs:
+            o.metrics = None  # times of another process's clock: not comparable
+        pickle.dump(outputs, out)
+        out.flush()
+
+
+if __name__ == "__main__":
+    _replica_main()

@@ -154,3 +154,18 @@ def test_a_tensor_parallel_server_answers_503_once_a_rank_is_gone():
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_failed"
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and "rank 1" in health.json()["error"]
+
+
+@pytest.mark.slow
+def test_offline_replicas_give_the_same_outputs_in_order():
+    from nanoserve.data_parallel import generate_data_parallel
+    from nanoserve.engine import LLM, EngineConfig
+    from nanoserve.sampling import SamplingParams
+
+    config = EngineConfig(model="tiny", device="cpu", dtype=torch.float32)
+    prompts = ["The list", "A dictionary is", "Once upon a time", "def f(x):", "Paris is"]
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    one = LLM(config).generate(prompts, params)
+    two, seconds = generate_data_parallel(config, prompts, params, 2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] and seconds > 0
+    assert [o.text for o in two] == [o.text for o in one]
