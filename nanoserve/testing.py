@@ -32,6 +32,14 @@ LLAMA_3_2_1B = dict(
                          high_freq_factor=4.0, original_max_position_embeddings=8192),
 )
 
+# Week 18's larger shape (Llama-3.1-8B): for tensor-parallel figures, random weights.
+LLAMA_3_1_8B = dict(
+    LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:
     """A small Llama config dict (GQA 4:2, llama3 rope scaling, tied), with overrides."""

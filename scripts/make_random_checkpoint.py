@@ -1,4 +1,5 @@
-"""Write a random-weight checkpoint of the exact Llama-3.2-1B shape (for benchmarks, no download).
+"""Write a random-weight checkpoint of the exact Llama-3.2-1B shape (or, with --shape 8b, of
+Llama-3.1-8B's: week 18), for benchmarks, with no download.
 
     python scripts/make_random_checkpoint.py --out /tmp/llama-3.2-1b-random [--dtype bfloat16] [--device cuda]
 
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 
-from nanoserve.testing import LLAMA_3_2_1B, save_checkpoint
+from nanoserve.testing import LLAMA_3_1_8B, LLAMA_3_2_1B, save_checkpoint
 
 
 def write_word_tokenizer(out: str, vocab_size: int) -> None:
@@ -36,14 +37,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="1b", choices=["1b", "8b"], help="Llama-3.2-1B (default) or Llama-3.1-8B")
     args = ap.parse_args()
+    shape = LLAMA_3_2_1B if args.shape == "1b" else LLAMA_3_1_8B
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B)).to(getattr(torch, args.dtype))
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, args.dtype))
     save_checkpoint(model, args.out, with_tokenizer=False)
-    write_word_tokenizer(args.out, LLAMA_3_2_1B["vocab_size"])
+    write_word_tokenizer(args.out, shape["vocab_size"])
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()):,} parameters in {args.dtype}")
 
 
