@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.sampling_params import SEED_MAX, SEED_MIN, SamplingParams  # noqa: F401 (SEED_*: re-exported)
-from nanoserve.structured import TokenConstraint, apply_token_masks
+from nanoserve.structured import TokenConstraint, apply_token_bitmasks, token_bitmasks
 
 
 @dataclass
@@ -231,8 +231,8 @@ class Sampler:
         constrained = [j for j, i in enumerate(seq_ids) if i in self.constraints]
         masked = logits
         if constrained:  # structured output: only what the grammar allows next
-            masks = [self.constraints[seq_ids[j]].allowed() for j in constrained]
-            masked = apply_token_masks(logits, constrained, masks)
+            packed = token_bitmasks([self.constraints[seq_ids[j]] for j in constrained], logits.shape[1])
+            masked = apply_token_bitmasks(logits, constrained, packed)
         tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asking:  # issue 17: from the raw logits, before any bias, penalty or temperature

@@ -8,7 +8,8 @@ token's logit becomes -inf. After the token is drawn, the matcher consumes it an
 
     response_format --(grammar_for, on the server)--> grammar (a string, in SamplingParams)
     grammar --(Engine.add_request)--> TokenConstraint: a matcher for this request
-    each step:  mask = constraint.allowed()     # [vocab] bools, on the host
+    each step:  mask = constraint.allowed()     # [vocab] bools, on the host (one row; the Sampler
+                                                #  gets a batch at once, packed: token_bitmasks)
                 logits[row][~mask] = -inf       # Sampler, constrained rows only
                 token = draw(...)
                 constraint.consume(token)       # the sequence's stop check: True once complete
@@ -18,10 +19,14 @@ EOS, and the request finishes with reason "stop" at once (no step is spent drawi
 
 The mask costs CPU time: the matcher walks its lexer and parser over the tokenizer's whole
 vocabulary (llguidance prunes most of it with a token trie), for every constrained row of every
-step. weeks/week10/README.md says what that costs and how engines hide it behind the forward pass.
+step. weeks/week10/README.md says what that costs and how engines hide it behind the forward pass
+(here: the batch's rows filled in parallel by llguidance while the GPU runs the launched forward
+pass, packed 32 tokens to a word, unpacked on the device).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -147,6 +152,77 @@ def make_tokenizer(hf_tokenizer):
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer)
+
+
+_EXECUTOR = None  # llguidance's thread pool for a batch's masks: one per process, made on first use
+
+
+def token_bitmasks(constraints: list[TokenConstraint], vocab_size: int) -> torch.Tensor:
+    """The masks of a step's constrained rows, packed: int32 [len(constraints), ceil(vocab / 32)],
+    bit b of word w of row j set when token 32·w + b may come next for constraints[j] (on the
+    host, pinned when a GPU is present, ready for an asynchronous copy).
+
+    `allowed` says the same thing one row at a time, as bools; this is what the sampler uses:
+    llguidance fills all rows at once on its own threads, without holding Python's lock, and the
+    packed rows are 32 times smaller to copy to the device (`apply_token_bitmasks` unpacks them
+    there). The request's stop tokens join EOS here too, and a row with nothing allowed gets them.
+    """
+    global _EXECUTOR
+    import llguidance
+    import llguidance.torch
+
+    if _EXECUTOR is None:  # its threads: the cores, less the engine's own thread
+        _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, min(16, (os.cpu_count() or 2) - 1)))
+    n = constraints[0].tokenizer.vocab_size  # llguidance's words cover the tokenizer's ids
+    packed = _host_buffer(len(constraints), -(-n // 32))
+    llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, j) for j, c in enumerate(constraints)],
+                                                 packed)
+    highest = max(t for c in constraints for t in c.stop_ids or [c.tokenizer.eos_token])
+    if highest >= 32 * packed.shape[1]:  # a stop token past the tokenizer's ids (the model's padding rows)
+        packed = torch.cat([packed, packed.new_zeros(len(constraints), highest // 32 + 1 - packed.shape[1])], 1)
+    bits = packed.numpy().view(np.uint32)
+    for j, c in enumerate(constraints):
+        row = bits[j]
+        row[c.tokenizer.vocab_size // 32 + 1 :] = 0  # (tokens past the tokenizer's: never)
+        if c.tokenizer.vocab_size % 32:
+            row[c.tokenizer.vocab_size // 32] &= np.uint32((1 << (c.tokenizer.vocab_size % 32)) - 1)
+        eos = c.tokenizer.eos_token
+        if (eos < vocab_size and row[eos >> 5] >> np.uint32(eos & 31) & 1) or not row.any():
+            for t in c.stop_ids or [eos]:
+                row[t >> 5] |= np.uint32(1 << (t & 31))
+    return packed
+
+
+_BUFFERS: dict[int, torch.Tensor] = {}  # words per row -> a pinned buffer, grown as batches grow
+
+
+def _host_buffer(rows: int, words: int) -> torch.Tensor:
+    """[rows, words] int32 on the host, pinned with a GPU present, reused from step to step:
+    allocating pinned memory each step cost up to 3 ms on an H100 machine (docs/benchmarks.md).
+    (Reuse is safe: a step's copy of it to the GPU is over before the step's tokens reach the host.)"""
+    buffer = _BUFFERS.get(words)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = torch.zeros(max(rows, 2 * (0 if buffer is None else buffer.shape[0])), words, dtype=torch.int32,
+                             pin_memory=torch.cuda.is_available())
+        _BUFFERS[words] = buffer
+    return buffer[:rows]
+
+
+def apply_token_bitmasks(logits: torch.Tensor, rows: list[int], packed: torch.Tensor) -> torch.Tensor:
+    """`apply_token_masks` for packed masks (`token_bitmasks`): the words travel to the device
+    (asynchronously from pinned memory) and are unpacked there into [len(rows), V] bools."""
+    device = logits.device
+    words = packed.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [len(rows), 32 * words]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:  # ids past the tokenizer's (padding rows of the embedding): never
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab]
+    index = torch.tensor(rows, device=device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:

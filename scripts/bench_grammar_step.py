@@ -6,14 +6,19 @@ a batch with no constraint, and of the same batch with every row constrained.
     python scripts/bench_grammar_step.py --model /tmp/ckpt [--batch 1 8 32 64] [--tokens 64]
 
 Each row writes the inside of one long JSON string (minLength 1000: the grammar never completes
-within --tokens); the constrained step pays for every row's mask (computed on the host, one row
-after the other, after the forward pass) and the masked_fill.
+within --tokens); the constrained step pays for the batch's masks (llguidance fills the packed rows
+on its own threads while the GPU still runs the forward pass the engine launched) and for
+unpacking and applying them on the GPU. Also printed: the host time of `token_bitmasks` alone.
+With --runs R, each figure is the median over R repetitions, with min and max.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+
+import nanoserve.sampling
 
 from nanoserve.engine import Engine, EngineConfig
 from nanoserve.sampling import SamplingParams
@@ -35,20 +40,45 @@ def median_decode_step(engine: Engine, batch: int, tokens: int, grammar: str | N
     return statistics.median(steps)
 
 
+MASK_TIMES: list[float] = []
+
+
+def timed_bitmasks(constraints, vocab_size):
+    start = time.perf_counter()
+    packed = TOKEN_BITMASKS(constraints, vocab_size)
+    MASK_TIMES.append(time.perf_counter() - start)
+    return packed
+
+
+TOKEN_BITMASKS = nanoserve.sampling.token_bitmasks
+nanoserve.sampling.token_bitmasks = timed_bitmasks
+
+
+def spread(values: list[float], scale: float = 1e3) -> str:
+    return f"{statistics.median(values) * scale:.2f} ({min(values) * scale:.2f}-{max(values) * scale:.2f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=1)
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, trace=True, enable_prefix_caching=False))
     grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "long", "schema": SCHEMA}})
     print(f"vocab: model {engine.model.config.vocab_size}, tokenizer {engine.tokenizer.vocab_size}")
+    print("batch | plain step ms | constrained step ms | added ms | per row us | token_bitmasks alone ms")
     for batch in args.batch:
-        plain = median_decode_step(engine, batch, args.tokens, None)
-        constrained = median_decode_step(engine, batch, args.tokens, grammar)
-        print(f"batch {batch:3d}: decode step {plain * 1e3:.2f} ms plain, {constrained * 1e3:.2f} ms constrained "
-              f"(+{(constrained - plain) * 1e3:.2f} ms, {(constrained - plain) / batch * 1e6:.0f} us per row)")
+        plain, constrained, masks = [], [], []
+        for _ in range(args.runs):
+            plain.append(median_decode_step(engine, batch, args.tokens, None))
+            MASK_TIMES.clear()
+            constrained.append(median_decode_step(engine, batch, args.tokens, grammar))
+            masks.append(statistics.median(MASK_TIMES))
+        added = [c - p for c, p in zip(constrained, plain)]
+        print(f"{batch:5d} | {spread(plain)} | {spread(constrained)} | {spread(added)} | "
+              f"{statistics.median(added) / batch * 1e6:.0f} | {spread(masks)}")
 
 
 if __name__ == "__main__":

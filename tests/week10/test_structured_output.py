@@ -183,3 +183,26 @@ def test_constrained_requests_survive_preemption():
     for schema, a, b in zip(schemas, ample, tight):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
         jsonschema.validate(json.loads(b.text), schema)
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 4200])  # the model's vocabulary may exceed the tokenizer's
+def test_packed_masks_equal_the_bool_masks(vocab_size):
+    """What the sampler uses (`token_bitmasks`: llguidance fills a batch of packed rows on its own
+    threads; unpacked on the device) allows exactly what `TokenConstraint.allowed` does, the stop
+    tokens joining EOS included, at every step of random walks through random schemas."""
+    from nanoserve.structured import apply_token_bitmasks, make_tokenizer, token_bitmasks
+    from nanoserve.tokenizer import Tokenizer
+
+    tokenizer = make_tokenizer(Tokenizer("tiny").hf)
+    rng = random.Random(1)
+    for i in range(4):
+        fmt = {"type": "json_object"} if i == 0 else schema_format(random_object_schema(rng), "x")
+        stops = frozenset([tokenizer.eos_token, 3])
+        rows = [TokenConstraint(tokenizer, grammar_for(fmt), vocab_size, stops) for _ in range(2)]
+        for _ in range(30):
+            expected = torch.stack([c.allowed() for c in rows])
+            got = apply_token_bitmasks(torch.zeros(3, vocab_size), [0, 2], token_bitmasks(rows, vocab_size))
+            assert torch.equal(got[[0, 2]] == 0, expected) and (got[1] == 0).all()
+            token = rng.choice(expected[0].nonzero().flatten().tolist())
+            if any([c.consume(token) for c in rows]):
+                break
