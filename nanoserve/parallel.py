@@ -465,4 +465,7 @@ def _ray_worker_class():
 
 
 if __name__ == "__main__":  # a worker rank started by `Workers` (executor "mp"): its arguments come pickled on stdin
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver, which then stops us
     worker_main(*pickle.loads(sys.stdin.buffer.read()))
