@@ -685,6 +685,9 @@ def run(args: argparse.Namespace) -> int:
 
         return run_check(args, TRACKS[args.check])
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
+    if args.data_parallel_size > 1 and set(todo) - {"throughput", "serving"}:
+        raise ValueError(f"--data-parallel-size applies to throughput and serving, not to {args.what}: one replica "
+                         "is what latency, prefix and spec measure")
     for what in todo:
         {"latency": bench_latency, "throughput": bench_throughput, "serving": bench_serving,
          "prefix": bench_prefix.bench_prefix, "spec": bench_spec.bench_spec}[what](args)

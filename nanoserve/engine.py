@@ -374,6 +374,9 @@ class Engine:
         # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks
         # build the same device side (`build_device_side`) and run the steps it broadcasts.
         self.workers, group = None, None
+        if c.tensor_parallel_size == 1 and c.distributed_executor != "mp":
+            raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
+                             "parallel engine: it needs tensor_parallel_size > 1")
         if c.tensor_parallel_size > 1:
             group, self.workers = start_tensor_parallel(c)
         try:

@@ -27,8 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput
-from nanoserve.parallel import WorkerFailed
+from nanoserve.engine import AsyncEngine, QueueFull, RequestOutput, WorkerFailed
 from nanoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams, TokenLogprob
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.structured import GrammarError, check_grammar, grammar_for

@@ -162,3 +162,8 @@ def test_tp2_on_two_gpus_equals_tp1(graphs):
     one = tokens(LLM("tiny", **kw))
     with LLM("tiny", tensor_parallel_size=2, **kw) as llm:
         assert tokens(llm) == one
+
+
+def test_an_executor_without_ranks_to_start_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM("tiny", device="cpu", distributed_executor="ray")
