@@ -7,20 +7,8 @@ import re
 
 import httpx
 import pytest
-from openai import OpenAI
-
-from nanoserve.testing import ServerThread
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(engine_kwargs=dict(max_model_len=256, num_blocks=512)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def stream_chunks(server, path: str, body: dict) -> list[dict]:

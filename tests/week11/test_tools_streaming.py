@@ -9,11 +9,9 @@ import json
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from nanoserve.engine import RequestOutput
 from nanoserve.sampling import TokenLogprob
-from nanoserve.testing import ServerThread
 from nanoserve.tools import ToolCallStream, ToolUse, check_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 6},
@@ -24,16 +22,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(engine_kwargs=dict(max_model_len=512, num_blocks=512)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def stream_chunks(server, body: dict) -> list[dict]:
