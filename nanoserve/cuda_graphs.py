@@ -54,6 +54,14 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIXED_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # week 15: tokens in a mixed step
 
 
+def feed_last_tokens(ids: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:
+    """Issue 20: where `source` names a row of `last` (the previous step's sampled tokens, still on
+    the device), that token is the input; elsewhere (-1) `ids` keeps the host's token. In place,
+    with no wait for the GPU: the host never needs to see the token."""
+    taken = last.index_select(0, source.clamp(min=0))
+    torch.where(source >= 0, taken, ids, out=ids)
+
+
 def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
     """The smallest captured batch size that holds n sequences."""
     # >>> week12: padded-size
@@ -75,10 +83,12 @@ class CUDAGraphDecoder:
         n = self.sizes[-1]
         self.max_blocks = blocks_needed(max_model_len, cache.block_size)
         self.scratch_slot = scratch_block * cache.block_size
-        # Device buffers at fixed addresses, read by the graphs. inputs: ids, positions, slots, context lengths.
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
+        # Device buffers at fixed addresses, read by the graphs. inputs: ids, positions, slots, context lengths,
+        # and (issue 20, not read by the graphs) the row of the last step's tokens that is each row's input, or -1.
+        self.inputs = torch.zeros(5, n, dtype=torch.long, device=device)
         self.inputs[2] = self.scratch_slot
         self.inputs[3] = 1
+        self.inputs[4] = -1
         # One row more than the largest batch: a mixed step's padding sequence (week 15).
         self.block_tables = torch.full((n + 1, self.max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
@@ -108,7 +118,7 @@ class CUDAGraphDecoder:
         self.mixed_sizes = [t for t in MIXED_SIZES if t < mixed_tokens] + [mixed_tokens] if mixed_tokens else []
         if self.mixed_sizes:
             t, seqs = self.mixed_sizes[-1], n + 1
-            self.minputs = torch.zeros(3, t, dtype=torch.long, device=device)  # ids, positions, slots
+            self.minputs = torch.zeros(4, t, dtype=torch.long, device=device)  # ids, positions, slots, source
             self.mseqs = torch.zeros(2, seqs, dtype=torch.long, device=device)  # context lengths, sampled rows
             self.mstarts = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
             self.host_minputs = self.minputs.cpu().pin_memory() if pin else self.minputs.clone()
@@ -116,12 +126,15 @@ class CUDAGraphDecoder:
             self.host_mstarts = self.mstarts.cpu().pin_memory() if pin else self.mstarts.clone()
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_logits: dict[int, torch.Tensor] = {}
+        # Issue 20: when the host runs a step ahead, it may refill the pinned mirrors before the GPU
+        # has copied the last step's values out of them; this event marks those copies done.
+        self.copied = torch.cuda.Event() if self.capture else None
         if self.capture:
             self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
         """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
-        input_ids, positions, slots, context_lens = self.inputs[:, :bs]
+        input_ids, positions, slots, context_lens = self.inputs[:4, :bs]
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[: bs + 1],
                                       context_lens=context_lens, block_tables=self.block_tables[:bs],
                                       max_query_len=1, max_context_len=self.max_model_len)
@@ -139,7 +152,7 @@ class CUDAGraphDecoder:
 
     def _forward_mixed(self, t: int) -> torch.Tensor:
         """Week 15: the forward pass of a mixed step padded to t tokens; logits of the sampled rows."""
-        input_ids, positions, slots = self.minputs[:, :t]
+        input_ids, positions, slots = self.minputs[:3, :t]
         context_lens, sampled = self.mseqs
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.mstarts, context_lens=context_lens,
                                       block_tables=self.block_tables, max_query_len=t,
@@ -176,6 +189,11 @@ class CUDAGraphDecoder:
 
     def stage(self, step: StepInput) -> int:
         """Copy one decode step's inputs into the static buffers; returns the padded batch size."""
+        self.wait_for_copies()
+        source = self.host_inputs.numpy()[4]  # issue 20: which inputs come from the last step's tokens
+        source[:] = -1
+        for row, last_row in step.from_last:
+            source[row] = last_row
         # >>> week12: stage-inputs
         n = step.num_seqs
         bs = padded_size(n, self.sizes)
@@ -216,6 +234,7 @@ class CUDAGraphDecoder:
     def stage_verify(self, step: StepInput, q: int) -> int:
         """`stage` for a verification step: q tokens per sequence. Padding sequences run q tokens
         at positions 0 .. q - 1, all written to the scratch slot."""
+        self.wait_for_copies()
         n = step.num_seqs
         bs = padded_size(n, self.verify_sizes)
         pad = (bs - n) * q
@@ -227,6 +246,7 @@ class CUDAGraphDecoder:
         self.vinputs.copy_(self.host_vinputs, non_blocking=True)
         self.vcontext.copy_(self.host_vcontext, non_blocking=True)
         self._stage_tables(step, bs)
+        self.copies_sent()
         return bs
 
     def _stage_tables(self, step: StepInput, rows: int) -> None:
@@ -265,12 +285,16 @@ class CUDAGraphDecoder:
         """Copy a mixed step into the buffers of the t-token graph. Sequences 0..n-1 are the
         step's; sequence n takes the t - R spare tokens (positions 0.., the scratch slot); the
         rest are empty. Block-table rows as in `stage`."""
+        self.wait_for_copies()
         n, real, seqs = step.num_seqs, len(step.input_ids), self.mseqs.shape[1]
         spare = t - real
         host = self.host_minputs.numpy()
         host[0, :t] = step.input_ids + [0] * spare
         host[1, :t] = step.positions + list(range(spare))
         host[2, :t] = step.slot_mapping + [self.scratch_slot] * spare
+        host[3, :t] = -1
+        for row, last_row in step.from_last:  # issue 20
+            host[3, row] = last_row
         per_seq = self.host_mseqs.numpy()
         per_seq[0] = step.context_lens + [max(spare, 1)] + [1] * (seqs - n - 1)
         per_seq[1] = step.sample_rows + [0] * (seqs - len(step.sample_rows))
@@ -279,11 +303,24 @@ class CUDAGraphDecoder:
         self.mseqs.copy_(self.host_mseqs, non_blocking=True)
         self.mstarts.copy_(self.host_mstarts, non_blocking=True)
         self._stage_tables(step, n)
+        self.copies_sent()
+
+    def wait_for_copies(self) -> None:
+        """Issue 20: before the pinned mirrors are refilled, the last step's copies out of them
+        must have run (they follow the step before it on the GPU, so this rarely waits)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def copies_sent(self) -> None:
+        if self.copied is not None:
+            self.copied.record()
 
     @torch.no_grad()
-    def run_mixed(self, step: StepInput, t: int) -> torch.Tensor:
+    def run_mixed(self, step: StepInput, t: int, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One mixed step -> logits of its sampled rows [len(step.sample_rows), vocab]."""
         self.stage_mixed(step, t)
+        if step.from_last:  # issue 20: inputs the host has not seen, from the last step's tokens
+            feed_last_tokens(self.minputs[0, :t], self.minputs[3, :t], last_tokens)
         rows = len(step.sample_rows)
         if not self.capture:
             return self._forward_mixed(t)[:rows]
@@ -291,9 +328,12 @@ class CUDAGraphDecoder:
         return self.mixed_logits[t][:rows]
 
     @torch.no_grad()
-    def run(self, step: StepInput) -> torch.Tensor:
+    def run(self, step: StepInput, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step (one new token per sequence) -> logits [n, vocab]."""
         bs = self.stage(step)
+        self.copies_sent()
+        if step.from_last:  # issue 20: inputs the host has not seen, from the last step's tokens
+            feed_last_tokens(self.inputs[0, :bs], self.inputs[4, :bs], last_tokens)
         if not self.capture:
             return self._forward(bs)[: step.num_seqs]
         self.graphs[bs].replay()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import gc
 import itertools
 import os
 import time
@@ -84,6 +85,28 @@ class StepRecord:
     num_new_tokens: list[int]  # per sequence: > 1 for a prefill, 1 for a decode
     num_waiting: int
     blocks_used: int
+
+
+@dataclass
+class _InFlight:
+    """Issue 20: a step launched on the GPU whose tokens the host has not seen yet."""
+
+    batch: object  # the scheduler's Batch
+    tokens: torch.Tensor  # [sampled rows] on the device: the next step's inputs read them there
+    rows: dict[int, int]  # sequence id -> its row in `tokens`
+    host: torch.Tensor  # where the tokens land on the host (pinned)
+    event: torch.cuda.Event | None  # recorded after the copy to the host
+    before: list  # Scheduler.launched's record, for Scheduler.resolve
+
+    def take(self, engine: "Engine") -> tuple:
+        """Wait for the tokens, hand them to the scheduler (stop checks, one step late); returns
+        (batch, tokens per sequence)."""
+        if self.event is not None:
+            self.event.synchronize()
+        flat = self.host.tolist()
+        tokens = [[flat[self.rows[s.seq_id]]] if s.seq_id in self.rows else [] for s in self.batch.seqs]
+        engine.scheduler.resolve(self.batch, tokens, self.before)
+        return self.batch, tokens
 
 
 @dataclass
@@ -187,6 +210,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
+    async_scheduling: bool | None = None  # issue 20: schedule step N+1 while the GPU runs step N; default: on
+    # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -246,6 +271,9 @@ class EngineConfig:
                             "hosts of a Ray cluster (ray; needs `pip install ray`)")
         p.add_argument("--distributed-timeout", type=float, default=300.0,
                        help="seconds a rank waits for the others before the engine fails (default: 300)")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
+                            "from the GPU (default: on with CUDA graphs; not with tensor parallelism or speculation)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -263,7 +291,7 @@ class EngineConfig:
                    cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
                    gpu_memory_utilization=args.gpu_memory_utilization,
                    tensor_parallel_size=args.tensor_parallel_size, distributed_executor=args.distributed_executor,
-                   distributed_timeout=args.distributed_timeout)
+                   distributed_timeout=args.distributed_timeout, async_scheduling=args.async_scheduling)
 
 
 @dataclass
@@ -327,6 +355,7 @@ def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_arg
         return max(1, c.kv_cache_memory // per_block), None
     if not c.device.startswith("cuda"):
         return max(1, 256 * 2**20 // per_block), None
+    gc.collect()  # an engine nobody references any more may still hold its pool, through a reference cycle
     step_bytes = ModelRunner.measure_step_memory(model, c.block_size, c.max_num_batched_tokens, **runner_args)
     free, total = torch.cuda.mem_get_info()
     budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
@@ -414,6 +443,10 @@ class Engine:
 
             self.speculator = SpecDecoder(self, c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
                                           draft_model=c.draft_model, ngram_min=c.ngram_min)
+        self.schedule_ahead = self._async_scheduling()
+        self._in_flight: _InFlight | None = None  # issue 20: the step launched and not yet resolved
+        self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
+        self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
@@ -425,6 +458,24 @@ class Engine:
         from nanoserve.course import stubbed_weeks
 
         return c.scheduler_policy == "continuous" and 14 not in stubbed_weeks()
+
+    def _async_scheduling(self) -> bool:
+        """Issue 20: schedule ahead of the GPU as asked, or by default where it pays: with CUDA
+        graphs on a GPU (on the CPU every operation finishes before the next starts, so there is
+        nothing to overlap), once week 12 is done in a learner's workspace. Not with tensor
+        parallelism (the workers do not have the sampled tokens) nor speculation (its guesses are
+        built from the tokens on the host)."""
+        c = self.config
+        conflicts = [name for name, on in (("tensor parallelism", self.workers is not None),
+                                           ("speculative decoding", self.speculator is not None)) if on]
+        if c.async_scheduling is not None:
+            if c.async_scheduling and conflicts:
+                raise ValueError(f"async scheduling does not work with {' or '.join(conflicts)}")
+            return c.async_scheduling
+        from nanoserve.course import stubbed_weeks
+
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.capture and not conflicts and 12 not in stubbed_weeks()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -463,6 +514,9 @@ class Engine:
             req.logprobs = []
         self.requests[seq.seq_id] = req
         self.sequences[seq.seq_id] = seq
+        if params.grammar is not None or params.presence_penalty or params.frequency_penalty \
+                or params.repetition_penalty != 1.0:
+            self._needs_tokens.add(seq.seq_id)  # issue 20: its steps wait for the host to see each token
         return seq.seq_id
 
     def grammar_tokenizer(self):
@@ -481,12 +535,13 @@ class Engine:
         seq = self.sequences.pop(request_id)
         self.scheduler.finish(seq, "abort")
         self.sampler.release(request_id)
+        self._needs_tokens.discard(request_id)
         self.runner.prompt_logprobs.pop(request_id, None)
         return RequestOutput(request_id, seq.prompt_ids, seq.output_ids, req.text, True, "abort",
                              metrics=RequestMetrics.of(seq))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
@@ -514,6 +569,11 @@ class Engine:
         if not self._speculation_paused():
             if self.speculator is not None:  # week 17: the same loop, with guesses verified
                 return self.speculator.step()
+        if self.schedule_ahead:  # issue 20: the same loop, one step ahead of the GPU
+            if not self._needs_tokens:
+                return self._step_ahead()
+            if self._in_flight is not None:  # a request that needs every token on the host came in
+                return self.resolve_in_flight()
         # >>> week05: engine-step
         start = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -536,6 +596,67 @@ class Engine:
                                          len(self.scheduler.waiting), self.scheduler.allocator.num_used))
         return [self._process(seq) for seq, n in zip(seqs, batch.num_samples) if n and self._has_output(seq)]
         # <<< week05: engine-step
+
+    # -- issue 20: the loop one step ahead of the GPU ---------------------------------------------
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One turn of the loop with the host a step ahead: schedule step N+1 and launch it while
+        the GPU still runs step N, then wait for step N's tokens and deliver them. The GPU never
+        waits for the host between steps; the host's scheduling, staging and output work hide
+        behind the GPU's forward pass. Tokens and outputs are exactly those of `step`: stop
+        checks run one step late, and the token a sequence sampled after its end is dropped."""
+        start = time.perf_counter()
+        # >>> week12: step-ahead
+        batch = self.scheduler.schedule()
+        launched = None
+        if batch.seqs:
+            try:
+                launched = self._launch(batch)
+            except BaseException:
+                self._in_flight = None  # the step before it is lost too: its requests get aborted
+                raise
+        outputs = self.resolve_in_flight()
+        self._in_flight = launched
+        # <<< week12: step-ahead
+        if batch.seqs:
+            self.num_steps += 1
+            if self.trace is not None:  # (its end: when the step before it was resolved)
+                self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
+                                             [s.seq_id for s in batch.seqs], list(batch.num_new_tokens),
+                                             len(self.scheduler.waiting), self.scheduler.allocator.num_used))
+        return outputs
+
+    def resolve_in_flight(self) -> list[RequestOutput]:
+        """Issue 20: wait for the step in flight (if any), hand its tokens to the scheduler and
+        return its outputs. Afterwards no token is on the GPU that the host has not seen."""
+        if self._in_flight is None:
+            return []
+        previous, self._in_flight = self._in_flight, None
+        return self._resolve(previous.take(self))
+
+    def _launch(self, batch) -> "_InFlight":
+        """Run the forward pass and the sampler for `batch` without waiting for either: the
+        sampled tokens stay on the device (the next step reads its inputs from there), and a
+        copy of them to the host is queued behind them."""
+        last = None if self._in_flight is None else (self._in_flight.tokens, self._in_flight.rows)
+        logits = self.runner.execute(batch, last)
+        sampling = [s for s, k in zip(batch.seqs, batch.num_samples) if k]
+        tokens = self.sampler(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+        host, event = tokens, None
+        if tokens.is_cuda:  # into one of two reused pinned buffers (the other may still be in use)
+            self._host_tokens.reverse()
+            if self._host_tokens[0].numel() < tokens.numel():
+                self._host_tokens[0] = torch.empty(max(tokens.numel(), 256), dtype=torch.long, pin_memory=True)
+            host = self._host_tokens[0][: tokens.numel()]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        before = self.scheduler.launched(batch)
+        return _InFlight(batch, tokens, {s.seq_id: i for i, s in enumerate(sampling)}, host, event, before)
+
+    def _resolve(self, resolved: tuple) -> list[RequestOutput]:
+        batch, tokens = resolved
+        return [self._process(seq) for seq, t in zip(batch.seqs, tokens) if t and self._has_output(seq)]
 
     def _speculation_paused(self) -> bool:
         """Issue 17: verification (week 17) samples with neither the raw logits at hand for
@@ -571,6 +692,7 @@ class Engine:
         if seq.is_finished:
             del self.requests[seq.seq_id], self.sequences[seq.seq_id]
             self.sampler.release(seq.seq_id)
+            self._needs_tokens.discard(seq.seq_id)
             self.runner.prompt_logprobs.pop(seq.seq_id, None)
             metrics = RequestMetrics.of(seq)
         return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
@@ -586,7 +708,8 @@ class Engine:
             req.prompt_logprobs = self.runner.take_prompt_logprobs(seq)  # its prompt has run: it sampled
         if req.logprobs is None:
             return None, None, req.prompt_logprobs
-        req.logprobs += self.sampler.take_logprobs(seq.seq_id)
+        delivered = len(seq.token_ids) - seq.num_pending - seq.prompt_len  # (not those still on the GPU)
+        req.logprobs += self.sampler.take_logprobs(seq.seq_id, delivered - len(req.logprobs))
         covered = len(req.logprobs) if seq.is_finished else bisect.bisect_right(req.ends, req.emitted)
         delta, req.num_delivered = req.logprobs[req.num_delivered : covered], max(covered, req.num_delivered)
         return list(req.logprobs), delta, req.prompt_logprobs

@@ -15,15 +15,16 @@ every scheduled sequence back to back (ids, positions), the lists behind `PagedA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve.blocks import blocks_needed, slot_of
 from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
+from nanoserve.cuda_graphs import feed_last_tokens
 from nanoserve.model import Llama
 from nanoserve.sampling import TokenLogprob, token_logprobs
-from nanoserve.scheduler import Batch, Sequence
+from nanoserve.scheduler import PENDING, Batch, Sequence
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepInput:
     block_tables: list[list[int]]
     table_ids: list[tuple[int, int]]  # per sequence: equal ids mean the table only grew since
     sample_rows: list[int]
+    # Issue 20: (row of input_ids, row of the previous step's sampled tokens) for each input token
+    # the host has not seen yet: it is read on the device, from the tokens the last step sampled.
+    from_last: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -145,26 +149,44 @@ class ModelRunner:
                 self.context_class(self.cache, meta, fused=self.fused))
 
     @torch.no_grad()
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order."""
+    def execute(self, batch: Batch, last: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+        """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order.
+
+        `last` (issue 20, scheduling ahead): the previous step's sampled tokens, still on the
+        device, and the row of each sequence's token among them. A sequence whose newest token
+        is a placeholder (`PENDING`) takes it from there."""
         step = self.step_input(batch)
+        last_tokens = None
+        if last is not None:
+            last_tokens, rows = last
+            for i, seq in enumerate(batch.seqs):
+                if seq.num_pending:  # its last token is the newest input: one decode row
+                    row = step.query_start_loc[i + 1] - 1
+                    assert step.input_ids[row] == PENDING, "only a decode's last input can be on the GPU"
+                    step.input_ids[row] = 0
+                    step.from_last.append((row, rows[seq.seq_id]))
         prompt_rows = self.prompt_rows(batch, step)  # issue 17: rows whose logits are kept, in eager steps only
         if self.workers is not None:  # week 18: every rank runs the same step
             return self.workers.run_step(self.run, step, prompt_rows)
-        return self.run(step, prompt_rows)
+        return self.run(step, prompt_rows, last_tokens)
 
     @torch.no_grad()
-    def run(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+    def run(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]],
+            last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """`execute` once the step is plain data: what every rank of a tensor-parallel group runs."""
         if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
-            return self.graphs.run(step)  # week 12: one replay
+            return self.graphs.run(step, last_tokens)  # week 12: one replay
         q = self.graphs.verify_shape(step) if self.graphs is not None and not prompt_rows else None
         if q is not None:
             return self.graphs.run_verify(step, q)  # week 17: a verification step, one replay
         t = self.graphs.mixed_size(step) if self.graphs is not None and not prompt_rows else None
         if t is not None:
-            return self.graphs.run_mixed(step, t)  # week 15: a mixed step, one replay
+            return self.graphs.run_mixed(step, t, last_tokens)  # week 15: a mixed step, one replay
         input_ids, positions, ctx = self.prepare(step)
+        if step.from_last:  # issue 20
+            source = torch.full_like(input_ids, -1)
+            source[[d for d, _ in step.from_last]] = torch.tensor([s for _, s in step.from_last], device=self.device)
+            feed_last_tokens(input_ids, source, last_tokens)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         self.keep_prompt_logprobs(prompt_rows, hidden)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)

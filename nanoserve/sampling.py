@@ -218,9 +218,15 @@ class Sampler:
         self.logprobs.pop(seq_id, None)
         self.constraints.pop(seq_id, None)
 
-    def take_logprobs(self, seq_id: int) -> list[TokenLogprob]:
-        """The logprobs of the tokens sampled for `seq_id` since the last call, in order."""
-        return self.logprobs.pop(seq_id, [])
+    def take_logprobs(self, seq_id: int, limit: int | None = None) -> list[TokenLogprob]:
+        """The logprobs of the tokens sampled for `seq_id` since the last call, in order; at most
+        `limit` of them (issue 20: the host may be a step behind the sampler, so the newest can
+        belong to a token it has not delivered yet)."""
+        found = self.logprobs.get(seq_id, [])
+        if limit is None or limit >= len(found):
+            return self.logprobs.pop(seq_id, [])
+        taken, self.logprobs[seq_id] = found[: max(limit, 0)], found[max(limit, 0) :]
+        return taken
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                  seen: list[list[int]] | None = None) -> torch.Tensor:

@@ -32,6 +32,7 @@ class SequenceStatus(enum.Enum):
 
 
 POLICIES = ("admit-all", "static", "continuous")
+PENDING = -1  # issue 20: the place of a token sampled on the GPU that the host has not seen yet
 
 
 class StopChecker(Protocol):
@@ -71,6 +72,7 @@ class Sequence:
     first_scheduled_time: float | None = None  # when it first got KV blocks (its queue time ends)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
+    num_pending: int = 0  # issue 20: trailing placeholders (PENDING) for tokens still on the GPU
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,7 +94,8 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        """The tokens it produced (not the placeholders of tokens still on the GPU)."""
+        return self.token_ids[self.prompt_len : len(self.token_ids) - self.num_pending]
 
     @property
     def is_finished(self) -> bool:
@@ -195,6 +198,7 @@ class Scheduler:
         self.preemption = preemption and policy == "continuous"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.ending: list[Sequence] = []  # issue 20: their last token is on the GPU; never scheduled again
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
@@ -212,7 +216,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ending)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence now (stop, length or abort) and give its blocks back."""
@@ -220,8 +224,13 @@ class Scheduler:
             return
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self._free_blocks(seq)
+        if seq.num_pending:  # issue 20: tokens sampled after its end are never delivered
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+            seq.num_pending = 0
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.ending:
+            self.ending.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -374,9 +383,10 @@ class Scheduler:
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return seq.block_hashes[:num_blocks]
 
-    def _cache_full_blocks(self, seq: Sequence, computed_before: int) -> None:
+    def _cache_full_blocks(self, seq: Sequence, computed_before: int, computed_after: int | None = None) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
-        first, end = computed_before // self.block_size, seq.num_computed // self.block_size
+        after = seq.num_computed if computed_after is None else computed_after
+        first, end = computed_before // self.block_size, after // self.block_size
         hashes = self._block_hashes(seq, end)
         for i in range(first, end):
             self.allocator.register(seq.block_table[i], hashes[i])
@@ -480,12 +490,7 @@ class Scheduler:
             for token in tokens:
                 seq.token_ids.append(token)
                 seq.token_times.append(now)
-                if token in seq.stop_ids:
-                    ended = "stop"
-                elif seq.stop_checker is not None and seq.stop_checker(token):
-                    ended = "stop"
-                elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                    ended = "length"
+                ended = self._ended_by(seq, token, seq.num_tokens)
                 if ended:
                     break
             if seq.num_computed >= seq.num_tokens:  # week 17: guesses past the first rejection ran
@@ -494,6 +499,65 @@ class Scheduler:
                 self._cache_full_blocks(seq, computed_before)  # this step filled a block
             if ended:
                 self.finish(seq, ended)
+
+    def _ended_by(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why `token`, the sequence's `num_tokens`-th, ends it ("stop" or "length"), or None."""
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.stop_checker is not None and seq.stop_checker(token):
+            return "stop"
+        if num_tokens - seq.prompt_len >= seq.params.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- issue 20: scheduling one step ahead of the GPU --------------------------------------------
+
+    def launched(self, batch: Batch) -> list[tuple[int, int]]:
+        """The batch is on its way to the GPU and the host will schedule the next step before its
+        tokens come back. So the scheduler takes the step as done: the scheduled tokens count as
+        computed (any later step runs after this one on the GPU), and each sequence that samples
+        gets a placeholder token, `PENDING`, which the next step's input reads from the GPU. A
+        sequence whose placeholder reaches a length limit ends whatever the token is: it leaves
+        `running` for `ending`, and is never scheduled again. Returns, per sequence, what
+        `resolve` needs: its computed length before the step and its block table's version."""
+        # >>> week12: launched
+        before = []
+        for seq, n, k in zip(batch.seqs, batch.num_new_tokens, batch.num_samples):
+            before.append((seq.num_computed, seq.block_table_version))
+            seq.num_computed += n
+            if k:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+                if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    self.running.remove(seq)
+                    self.ending.append(seq)
+        return before
+        # <<< week12: launched
+
+    def resolve(self, batch: Batch, new_tokens: list[list[int]], before: list[tuple[int, int]]) -> None:
+        """A launched step's tokens are on the host: each replaces its sequence's oldest
+        placeholder, and the stop checks run, one step late. A sequence that ends drops the
+        placeholder of the step launched meanwhile (`finish`): that token was computed for nothing.
+        A sequence already finished (ended by the previous step's token, or aborted) is skipped.
+        The blocks the step filled are named now that their tokens are known (prefix caching)."""
+        # >>> week12: resolve
+        now = time.perf_counter()
+        for seq, tokens, (computed, version), n in zip(batch.seqs, new_tokens, before, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
+            ended = None
+            if tokens:
+                position = len(seq.token_ids) - seq.num_pending
+                seq.token_ids[position] = tokens[0]
+                seq.num_pending -= 1
+                seq.token_times.append(now)
+                ended = self._ended_by(seq, tokens[0], position + 1)
+            if self.prefix_caching and seq.block_table_version == version \
+                    and (computed + n) // self.block_size > computed // self.block_size:
+                self._cache_full_blocks(seq, computed, computed + n)
+            if ended:
+                self.finish(seq, ended)
+        # <<< week12: resolve
 
     # -- week 17: speculative decoding -------------------------------------------------------------
 

@@ -53,7 +53,8 @@ def test_stage_fills_the_buffers_and_pads(checkpoint):
 
     bs = stage(a, b, b)  # three rows (b twice is fine for staging): padded to 4
     assert bs == 4
-    ids, pos, slots, lens = dec.inputs[:, :4].tolist()
+    ids, pos, slots, lens, source = dec.inputs[:, :4].tolist()
+    assert source == [-1] * 4  # every input came from the host (issue 20: none from the last step)
     assert ids == [9, 2, 2, 0] and pos == [4, 1, 1, 0] and lens == [5, 2, 2, 1]
     assert slots == [3 * 4 + 0, 7 * 4 + 1, 7 * 4 + 1, dec.scratch_slot]  # padding writes to scratch
     assert dec.block_tables[0, :2].tolist() == [10, 3] and dec.block_tables[1, 0].item() == 7

@@ -233,7 +233,7 @@ def test_mixed_steps_replay_the_graph_path(ckpt, budget, monkeypatch):
     calls = []
     run_mixed = CUDAGraphDecoder.run_mixed
     monkeypatch.setattr(CUDAGraphDecoder, "run_mixed",
-                        lambda self, step, t: calls.append((len(step.input_ids), t)) or run_mixed(self, step, t))
+                        lambda self, step, t, *last: calls.append((len(step.input_ids), t)) or run_mixed(self, step, t, *last))
     path, hf = ckpt
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), dtype=torch.float32, device=device, attention_backend="triton", num_blocks=64, block_size=8,

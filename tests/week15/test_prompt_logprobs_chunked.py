@@ -44,7 +44,7 @@ def test_steps_with_prompt_rows_leave_the_graph_path(monkeypatch):
     replays = []
     run_mixed = CUDAGraphDecoder.run_mixed
     monkeypatch.setattr(CUDAGraphDecoder, "run_mixed",
-                        lambda self, step, t: replays.append(t) or run_mixed(self, step, t))
+                        lambda self, step, t, *last: replays.append(t) or run_mixed(self, step, t, *last))
     plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU: Triton's interpreter
