@@ -10,8 +10,8 @@ software, the date and the command) and `<out>/<name>.png`. `--quick` shrinks ev
 so that the whole thing runs in a minute on a CPU with the bundled tiny model (CI runs it).
 
 The workloads (random token ids; EOS ignored, so every request produces exactly its length):
-- latency: one prompt of --prompt-len tokens, --new-tokens greedy tokens, five times; the median
-  of runs 2-5 (the first compiles kernels). Decode speed leaves the prefill out:
+- latency: one prompt of --prompt-len tokens, --new-tokens greedy tokens, --runs times (5); the
+  median of runs 2 onwards (the first compiles kernels), with their min and max. Decode speed leaves the prefill out:
   (tokens - 1) / (time from the first token to the last). The roofline is the speed
   of a step that does nothing but read every weight once at the measured copy bandwidth.
 - throughput: --num-requests requests, prompt and output lengths uniform in --prompt-len and
@@ -213,7 +213,7 @@ def bench_latency(args) -> dict:
     roofline = bandwidth / weights
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     speeds = []
-    for run in tqdm(range(5), desc="nanoserve batch 1", unit="run"):
+    for run in tqdm(range(args.runs), desc="nanoserve batch 1", unit="run"):
         engine.add_request(prompt, params)
         times = []  # when each token reached the host: a step returns outputs only then
         while engine.has_unfinished():
@@ -240,7 +240,7 @@ def bench_latency(args) -> dict:
                  min_tok_s=min(speeds[1:]), max_tok_s=max(speeds[1:]))]
     if args.baseline:
         compiled = device.startswith("cuda")
-        runs = baseline_latency(model_dir, prompt, args.new_tokens, dtype, device, compiled)
+        runs = baseline_latency(model_dir, prompt, args.new_tokens, dtype, device, compiled, args.runs)
         base = statistics.median(runs[1:])
         rows.append(dict(engine="torch.compile static cache" if compiled else "static cache (eager: no CUDA)",
                          tok_s=base, ms_per_token=1e3 / base, pct_roofline=100 * base / roofline,
@@ -254,7 +254,7 @@ def bench_latency(args) -> dict:
           f"{roofline:.0f} tok/s ({1e3 / roofline:.3f} ms/token)")
     print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
           + (f"; one graph replay alone {floor:.3f}" if floor else ""))
-    print_table("batch-1 decode (median of runs 2-5, min and max beside it)", rows,
+    print_table(f"batch-1 decode (median of runs 2-{args.runs}, min and max beside it)", rows,
                 [("engine", "engine", ""), ("tok_s", "tok/s", ".1f"), ("min_tok_s", "min", ".1f"),
                  ("max_tok_s", "max", ".1f"), ("ms_per_token", "ms/token", ".3f"),
                  ("pct_roofline", "% of roofline", ".1f")])
@@ -304,16 +304,16 @@ class _TokenClock:
 
 
 def baseline_latency(model_dir: Path, prompt: list[int], new_tokens: int, dtype: torch.dtype, device: str,
-                     compiled: bool) -> list[float]:
+                     compiled: bool, runs: int = 5) -> list[float]:
     """Batch-1 decode speed of the same weights through a dense static KV cache, each step compiled
-    with torch.compile (nanoserve/compiled_baseline.py): five runs, the first compiles."""
+    with torch.compile (nanoserve/compiled_baseline.py): `runs` runs, the first compiles."""
     from nanoserve.compiled_baseline import CompiledStaticDecoder
     from nanoserve.loader import load_model
 
     model = load_model(model_dir, dtype=dtype, device=device)
     decoder = CompiledStaticDecoder(model, max_len=len(prompt) + new_tokens, compile=compiled)
     speeds = []
-    for _ in range(5):
+    for _ in range(runs):
         times: list[float] = []
         decoder.generate(prompt, new_tokens, on_token=lambda i: times.append(time.perf_counter()))
         speeds.append((new_tokens - 1) / (times[-1] - times[0]))
@@ -653,6 +653,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="latency: skip the torch.compile static-cache baseline")
     p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
+    p.add_argument("--runs", type=int, default=5, help="latency: timed runs (the first one compiles; at least 2)")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
     p.add_argument("--lengths", type=_pair, default=(100, 1024), help="throughput and serving: prompt lengths "
                    "LOW,HIGH; throughput outputs too")
@@ -688,6 +689,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_check(args, TRACKS[args.check])
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
+    if args.runs < 2:
+        raise ValueError(f"--runs {args.runs}: at least 2 (the first run compiles kernels and is not counted)")
     if args.data_parallel_size > 1 and set(todo) - {"throughput", "serving"}:
         raise ValueError(f"--data-parallel-size applies to throughput and serving, not to {args.what}: one replica "
                          "is what latency, prefix and spec measure")

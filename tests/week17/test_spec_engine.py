@@ -162,13 +162,13 @@ def test_verification_steps_replay_the_graph_path(reference, monkeypatch):
                         lambda self, step, q: calls.append((step.num_seqs, q)) or run_verify(self, step, q))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = speculative("ngram", attention_backend="triton", cuda_graphs=True, device=device, k=2,
-                      speculative_max_batch=4)
+                      speculative_max_batch=4, kv_cache_memory=2**28)  # two engines share the GPU: 256 MiB each
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(PROMPTS[:3], params)
     if device == "cpu":
         expected = [reference[p][:12] for p in PROMPTS[:3]]
     else:  # against plain decoding on the same device (CPU and GPU float32 may part at a near-tie)
-        plain = LLM(EngineConfig(model="tiny", device=device, dtype=torch.float32))
+        plain = LLM(EngineConfig(model="tiny", device=device, dtype=torch.float32, kv_cache_memory=2**28))
         expected = [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
     assert [o.token_ids for o in outs] == expected
     assert calls and {q for _, q in calls} <= {2, 3} and any(n == 3 for n, _ in calls)  # batch 3 padded to 4
