@@ -631,7 +631,8 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
     flags = [("--no-preemption", not args.preemption), ("--no-cuda-graphs", args.cuda_graphs is False),
              ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching),
              ("--no-enable-prefix-caching", args.enable_prefix_caching is False),
-             ("--enable-chunked-prefill", args.enable_chunked_prefill)]
+             ("--enable-chunked-prefill", args.enable_chunked_prefill),
+             ("--async-scheduling", args.async_scheduling is True), ("--no-async-scheduling", args.async_scheduling is False)]
     if args.speculative:
         out += ["--num-speculative-tokens", str(args.num_speculative_tokens),
                 "--speculative-max-batch", str(args.speculative_max_batch), "--ngram-min", str(args.ngram_min)]
