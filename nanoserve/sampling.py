@@ -185,20 +185,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # <<< week03: sample
 
 
-def argmax_rows(logits: torch.Tensor, pieces: int = 16) -> torch.Tensor:
-    """`logits.argmax(dim=-1)`, the same index (the first of equal maxima), in two passes (issue 20).
-    On a GPU one row of 128k logits is reduced by one block of threads, which takes ~27 µs for
-    what reading it takes under one; cut into `pieces` slices reduced side by side, then the
-    slices' maxima, it takes a few. (max over a dimension also returns the first maximum's index,
-    and the first slice holding the maximum holds its first occurrence.)"""
-    rows, vocab = logits.shape
-    if vocab % pieces:
-        return logits.argmax(dim=-1)
-    best, where = logits.view(rows, pieces, vocab // pieces).max(dim=-1)  # [rows, pieces] each
-    piece = best.argmax(dim=-1, keepdim=True)  # [rows, 1]
-    return (piece * (vocab // pieces) + where.gather(1, piece)).squeeze(1)
-
-
 class Sampler:
     """The engine's sampler: `sample` for a batch, plus what it keeps per sequence (here, with the
     tensors, so that the scheduler's sequences hold none): each seeded request's private
@@ -253,10 +239,7 @@ class Sampler:
         if constrained:  # structured output: only what the grammar allows next
             packed = token_bitmasks([self.constraints[seq_ids[j]] for j in constrained], logits.shape[1])
             masked = apply_token_bitmasks(logits, constrained, packed)
-        if all(p.greedy for p in params):  # the argmax in two passes (the same token as `sample`'s)
-            tokens = argmax_rows(filtered_logits(masked, params, seen, generated))
-        else:
-            tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
+        tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asking:  # issue 17: from the raw logits, before any bias, penalty or temperature
             rows = torch.tensor(asking, device=logits.device)

@@ -17,6 +17,7 @@ import asyncio
 import pytest
 import torch
 
+from nanoserve.course import stubbed_weeks
 from nanoserve.engine import LLM, AsyncEngine, Engine, EngineConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import PENDING, Scheduler, Sequence
@@ -63,6 +64,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_same_outputs_as_the_plain_loop(name):
+    if name == "chunked" and 15 in stubbed_weeks():
+        pytest.skip("chunked prefill is week 15's exercise: this case runs once weeks/week15 is written")
     plain, _ = run(False, **CONFIGS[name])
     ahead, engine = run(True, **CONFIGS[name])
     assert engine.schedule_ahead
@@ -72,7 +75,7 @@ def test_same_outputs_as_the_plain_loop(name):
     assert not engine.has_unfinished() and engine.scheduler.allocator.num_used == 0
     if name == "preemption":
         assert engine.scheduler.num_preemptions > 0
-    if name == "continuous":
+    if name == "continuous" and 14 not in stubbed_weeks():  # (prefix caching is on from week 14)
         assert engine.prefix_cache_stats()["hit_tokens"] > 0
 
 
@@ -189,6 +192,8 @@ def test_the_graph_path_reads_its_inputs_from_the_device(monkeypatch):
     """The CUDA-graph path's static buffers (on the CPU: the same buffers, eager) with inputs fed
     from the last step's tokens: decode steps, and week 15's mixed steps."""
     pytest.importorskip("triton", reason="the graph path uses the week-6 Triton kernel: pip install triton (Linux)")
+    if 15 in stubbed_weeks():
+        pytest.skip("its mixed steps come from week 15's chunked prefill: this test runs once weeks/week15 is written")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
