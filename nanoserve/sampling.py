@@ -239,7 +239,12 @@ class Sampler:
         if constrained:  # structured output: only what the grammar allows next
             packed = token_bitmasks([self.constraints[seq_ids[j]] for j in constrained], logits.shape[1])
             masked = apply_token_bitmasks(logits, constrained, packed)
-        tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
+        if logits.is_cuda and all(p.greedy for p in params):  # issue 20: the argmax in two small kernels
+            from nanoserve.kernels.argmax import argmax
+
+            tokens = argmax(filtered_logits(masked, params, seen, generated))
+        else:
+            tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asking:  # issue 17: from the raw logits, before any bias, penalty or temperature
             rows = torch.tensor(asking, device=logits.device)
