@@ -13,7 +13,7 @@ from nanoserve.layers import RMSNorm, apply_rope
 from nanoserve.testing import make_checkpoint, tiny_config
 
 pytest.importorskip("triton", reason="week 12's kernels need the triton package: pip install triton (Linux)")
-from nanoserve.kernels.fused import add_rmsnorm, rope_write_kv, silu_mul, use_fused_kernels  # noqa: E402
+from nanoserve.kernels.fused import add_rmsnorm, gate_up_silu, rope_write_kv, silu_mul, use_fused_kernels  # noqa: E402
 from nanoserve.loader import load_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,6 +70,21 @@ def test_silu_mul(dtype):
     gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)  # > one block
     gate, up = gate_up.split(1500, dim=-1)
     close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gate_up_silu(dtype, rows):
+    """Issue 20: one row runs the gate_up product and SiLU·mul in one kernel (sizes that are not
+    multiples of its blocks); more rows take the projection's product, then `silu_mul`."""
+    g = torch.Generator().manual_seed(rows)
+    proj = torch.nn.Linear(300, 2 * 700, bias=False).to(DEVICE, dtype)
+    with torch.no_grad():
+        proj.weight.copy_(torch.randn(2 * 700, 300, generator=g) * 0.05)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
+    with torch.no_grad():
+        gate, up = proj(x).split(700, dim=-1)
+        close(gate_up_silu(x, proj), torch.nn.functional.silu(gate) * up, dtype)
 
 
 @pytest.mark.parametrize("past,new", [([5, 2, 9], [1, 1, 1]), ([0, 6, 0], [7, 3, 1])], ids=["decode", "mixed"])
