@@ -654,7 +654,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="latency: skip the torch.compile static-cache baseline")
     p.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256, help="latency: tokens to generate")
-    p.add_argument("--runs", type=int, default=5, help="latency: timed runs (the first one compiles; at least 2)")
+    p.add_argument("--runs", type=int, default=None, help="latency: timed runs (default 5; the first one compiles, "
+                   "so at least 2)")
     p.add_argument("--num-requests", type=int, default=256, help="throughput: requests")
     p.add_argument("--lengths", type=_pair, default=(100, 1024), help="throughput and serving: prompt lengths "
                    "LOW,HIGH; throughput outputs too")
@@ -685,11 +686,14 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     args.prompt_range = args.output_range = tuple(args.lengths)
     args.serving_output_range = tuple(args.output_len)
+    todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
+    if args.runs is not None and (args.check or "latency" not in todo):
+        raise ValueError(f"--runs sets the timed runs of latency, not of {'--check' if args.check else args.what}")
     if args.check:
         from nanoserve.capstone import TRACKS, run_check
 
         return run_check(args, TRACKS[args.check])
-    todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
+    args.runs = 5 if args.runs is None else args.runs
     if args.runs < 2:
         raise ValueError(f"--runs {args.runs}: at least 2 (the first run compiles kernels and is not counted)")
     if args.data_parallel_size > 1 and set(todo) - {"throughput", "serving"}:

@@ -98,16 +98,6 @@ class _InFlight:
     event: torch.cuda.Event | None  # recorded after the copy to the host
     before: list  # Scheduler.launched's record, for Scheduler.resolve
 
-    def take(self, engine: "Engine") -> tuple:
-        """Wait for the tokens, hand them to the scheduler (stop checks, one step late); returns
-        (batch, tokens per sequence)."""
-        if self.event is not None:
-            self.event.synchronize()
-        flat = self.host.tolist()
-        tokens = [[flat[self.rows[s.seq_id]]] if s.seq_id in self.rows else [] for s in self.batch.seqs]
-        engine.scheduler.resolve(self.batch, tokens, self.before)
-        return self.batch, tokens
-
 
 @dataclass
 class _Request:
@@ -631,8 +621,13 @@ class Engine:
         return its outputs. Afterwards no token is on the GPU that the host has not seen."""
         if self._in_flight is None:
             return []
-        previous, self._in_flight = self._in_flight, None
-        return self._resolve(previous.take(self))
+        f, self._in_flight = self._in_flight, None
+        if f.event is not None:
+            f.event.synchronize()
+        flat = f.host.tolist()
+        tokens = [[flat[f.rows[s.seq_id]]] if s.seq_id in f.rows else [] for s in f.batch.seqs]
+        self.scheduler.resolve(f.batch, tokens, f.before)  # stop checks, one step late
+        return [self._process(seq) for seq, t in zip(f.batch.seqs, tokens) if t and self._has_output(seq)]
 
     def _launch(self, batch) -> "_InFlight":
         """Run the forward pass and the sampler for `batch` without waiting for either: the
@@ -653,10 +648,6 @@ class Engine:
             event.record()
         before = self.scheduler.launched(batch)
         return _InFlight(batch, tokens, {s.seq_id: i for i, s in enumerate(sampling)}, host, event, before)
-
-    def _resolve(self, resolved: tuple) -> list[RequestOutput]:
-        batch, tokens = resolved
-        return [self._process(seq) for seq, t in zip(batch.seqs, tokens) if t and self._has_output(seq)]
 
     def _speculation_paused(self) -> bool:
         """Issue 17: verification (week 17) samples with neither the raw logits at hand for

@@ -64,3 +64,16 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
     served = build_parser().parse_args(["serve", "--model", args.model] + _engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
+
+
+def test_runs_is_honoured_by_latency_and_refused_elsewhere(tmp_path, capsys):
+    """`--runs` sets how many batch-1 runs latency times (issue 20); the other benchmarks have
+    no such count, so they refuse it rather than ignore it."""
+    assert main(["bench", "latency", "--quick", "--device", "cpu", "--no-hf", "--no-baseline", "--runs", "3",
+                 "--out", str(tmp_path)]) == 0
+    assert len(json.loads((tmp_path / "latency.json").read_text())["runs_tok_s"]) == 3
+    for argv in (["throughput", "--runs", "3"], ["latency", "--runs", "1"], ["serving", "--check", "capstone-cpu",
+                                                                           "--runs", "3"]):
+        capsys.readouterr()
+        assert main(["bench", *argv, "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 2
+        assert "--runs" in capsys.readouterr().err
