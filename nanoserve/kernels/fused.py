@@ -32,6 +32,7 @@ import triton.language as tl
 
 from nanoserve.layers import MLP, RMSNorm
 from nanoserve.model import Llama
+from nanoserve.parallel import ColumnParallelLinear
 
 
 @triton.jit
@@ -155,13 +156,19 @@ def _gate_up_silu_kernel(X, W, Y, stride_w, inter, k_dim, BLOCK_N: tl.constexpr,
 GATE_UP_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: the best of 8 tried on an H100 (docs/benchmarks.md)
 
 
+def _plain_product(proj: torch.nn.Module) -> bool:
+    """Is `proj` x·Wᵀ and nothing else: a Linear without bias, or week 18's column-parallel slice
+    of one (a rank's gate and up rows, laid out as the whole weight's: gate first)."""
+    return (type(proj) is torch.nn.Linear and proj.bias is None) or type(proj) is ColumnParallelLinear
+
+
 def gate_up_silu(x: torch.Tensor, gate_up: torch.nn.Module) -> torch.Tensor:
     """`MLP`'s silu(gate) * up from x [T, H] and its gate_up projection (weight [2I, H], gate
     rows first) -> [T, I]. One row (a batch-1 decode step) is a matrix-vector product: one
     kernel computes it and applies SiLU·mul, so the [2I] product never goes to memory and one
     launch is saved. More rows: the projection's own matrix product, then `silu_mul`."""
     w = gate_up.weight
-    if x.shape[0] != 1 or type(gate_up) is not torch.nn.Linear or not (w.is_contiguous() and x.is_contiguous()):
+    if x.shape[0] != 1 or not _plain_product(gate_up) or not (w.is_contiguous() and x.is_contiguous()):
         return silu_mul(gate_up(x))
     inter, k_dim = w.shape[0] // 2, w.shape[1]
     y = x.new_empty(1, inter)

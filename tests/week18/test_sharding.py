@@ -5,6 +5,8 @@ the test does by hand what the all-reduce and the all-gather would do (sum the p
 concatenate the logit slices). tests/week18/test_tensor_parallel.py runs real ranks.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -109,6 +111,23 @@ def test_row_parallel_partial_sums_add_up_to_the_whole_mlp():
     partials = [s.layers[2].mlp(x) for s in shards]
     torch.testing.assert_close(partials[0] + partials[1], whole.layers[2].mlp(x), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(partials[0], whole.layers[2].mlp(x), atol=1e-3)  # one rank alone is not enough
+
+
+@torch.no_grad()
+def test_fused_gate_up_kernel_runs_on_a_column_parallel_shard():
+    """Week 12's batch-1 kernel (the gate_up product and SiLU·mul in one) takes a rank's slice of
+    gate_up as it takes the whole weight: the shard's MLP gives the same output with it as
+    without, and the kernel itself ran, not the fallback through the product and `silu_mul`."""
+    pytest.importorskip("triton", reason="week 12's kernels need the triton package: pip install triton (Linux)")
+    from nanoserve.kernels import fused
+
+    mlp = _shards("tiny")[1].layers[1].mlp
+    x = torch.randn(1, mlp.down_proj.weight.shape[0])
+    expected = mlp(x)
+    mlp.fused = fused.gate_up_silu
+    with mock.patch.object(fused, "silu_mul", side_effect=AssertionError("the fallback ran, not the fused kernel")):
+        got = mlp(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
