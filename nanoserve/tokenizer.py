@@ -21,6 +21,12 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+        # Decoding runs twice per token per running sequence (IncrementalDetokenizer): a server
+        # with 256 streams calls it 512 times a step. The HF wrapper's decode is the Rust
+        # tokenizer's decode plus Python around it (about 2.6 µs a call against 0.9 on a 2-core
+        # CPU); when the wrapper adds nothing to its result (no clean-up of spaces), call the Rust
+        # one directly (docs/benchmarks.md, "host time of a decode step").
+        self._rust_decode = _direct_decoder(self.hf)
 
     @property
     def vocab_size(self) -> int:
@@ -39,6 +45,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -77,6 +85,15 @@ class Tokenizer:
         # HF's own environment: templates may use its extensions ({% generation %}, loop controls).
         environment = _compile_jinja_template(source).environment
         return "tools" in meta.find_undeclared_variables(environment.parse(source))
+
+
+def _direct_decoder(hf):
+    """The Rust tokenizer's `decode`, where HF's wrapper would return its result unchanged; else
+    None (a slow tokenizer, or one whose wrapper cleans up spaces after decoding)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or getattr(hf, "clean_up_tokenization_spaces", False):
+        return None
+    return backend.decode
 
 
 class IncrementalDetokenizer:

