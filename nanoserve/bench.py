@@ -182,9 +182,11 @@ def step_breakdown(engine, steps: int) -> dict[str, float]:
 
 
 def replay_ms(engine, reps: int = 200) -> float | None:
-    """GPU time of one batch-1 decode graph replay alone: the floor for a step."""
+    """GPU time of one batch-1 decode graph replay alone: the floor for a step. None without
+    captured graphs, and with tensor parallelism (week 18): a rank's graph holds its collectives,
+    and the driver replaying its own alone would wait for the other ranks' forever."""
     graphs = engine.runner.graphs
-    if graphs is None or not graphs.capture:
+    if graphs is None or not graphs.capture or engine.workers is not None:
         return None
     graphs.graphs[1].replay()
     torch.cuda.synchronize()

@@ -167,3 +167,25 @@ def test_tp2_on_two_gpus_equals_tp1(graphs):
 def test_an_executor_without_ranks_to_start_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM("tiny", device="cpu", distributed_executor="ray")
+
+
+def test_bench_never_replays_the_drivers_graph_alone():
+    """`nanoserve bench latency` times one graph replay alone, but a tensor-parallel rank's graph
+    holds its all-reduces: the driver replaying its own would wait for the workers forever (it did,
+    on two GPUs). With workers, the measurement is skipped; without, it replays."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench import replay_ms
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    graphs = SimpleNamespace(capture=True, graphs={1: Graph()})
+    assert replay_ms(SimpleNamespace(runner=SimpleNamespace(graphs=graphs), workers=object())) is None
+    assert Graph.replays == 0
+    if torch.cuda.is_available():
+        assert replay_ms(SimpleNamespace(runner=SimpleNamespace(graphs=graphs), workers=None), reps=3) is not None
+        assert Graph.replays == 4
