@@ -25,7 +25,7 @@ class Tokenizer:
         # with 256 streams calls it 512 times a step. The HF wrapper's decode is the Rust
         # tokenizer's decode plus Python around it (about 2.6 µs a call against 0.9 on a 2-core
         # CPU); when the wrapper adds nothing to its result (no clean-up of spaces), call the Rust
-        # one directly (docs/benchmarks.md, "host time of a decode step").
+        # one directly (docs/benchmarks.md, "Host time of a streaming decode step").
         self._rust_decode = _direct_decoder(self.hf)
 
     @property

@@ -84,8 +84,11 @@ def test_decode_equals_the_hf_tokenizers_decode(model):
     tok = Tokenizer(model)
     assert tok._rust_decode is not None  # neither tokenizer cleans up spaces: the direct path is taken
     rng = random.Random(0)
+    specials = tok.hf.all_special_ids
+    assert specials  # (skip_special_tokens must have something to skip)
     for _ in range(500):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 10))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))  # one special token in every list
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
 
