@@ -150,23 +150,47 @@ def is_stub(body: list[str]) -> bool:
 # ------------------------------------------------------------------------ making the workspace
 
 
+def dedent(body: list[str], indent: str) -> list[str]:
+    """An exercise's body without the indentation of its markers (blank lines kept)."""
+    return [line[len(indent):] if line.startswith(indent) else line for line in body]
+
+
+def indent_to(body: list[str], indent: str) -> list[str]:
+    """`dedent`'s inverse: the body at the indentation of the markers it goes between."""
+    return [indent + line if line.strip() else line for line in body]
+
+
+def learner_answers(package: Path) -> dict[str, list[str]]:
+    """Every exercise the learner has written in a workspace package, by exercise key, whatever
+    file it sits in: {'week03:sample': body without its indentation}. Stubs are left out. Keyed by
+    exercise, not by file, so an answer follows its exercise when the reference moves code from
+    one module to another (the layered package of the layered-house change, for one)."""
+    answers: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        for ex in find_exercises(lines, path.relative_to(package)):
+            body = ex.body(lines)
+            if not is_stub(body):
+                answers[ex.key] = dedent(body, ex.indent)
+    return answers
+
+
 def render(reference_lines: list[str], exercises: list[Exercise], week: int,
-           learner_lines: list[str] | None = None) -> list[str]:
+           answers: dict[str, list[str]] | None = None) -> list[str]:
     """One module of the workspace: exercises of week >= `week` stubbed, the others solved.
 
-    If the learner already has this file, their own answers (neither a stub nor a copy of the
-    reference) are kept, whatever the week: `start` never throws work away.
+    The learner's own answers (`learner_answers`: neither a stub nor a copy of the reference)
+    are kept, whatever the week and whichever file they came from: `start` never throws work away.
     """
-    learner = {}
-    if learner_lines is not None:
-        for ex in find_exercises(learner_lines, exercises[0].path if exercises else Path("?")):
-            learner[ex.key] = ex.body(learner_lines)
+    answers = answers or {}
     out, cursor = [], 0
     for ex in exercises:
         out += reference_lines[cursor : ex.begin + 1]
-        mine = learner.get(ex.key)
-        if mine is not None and not is_stub(mine) and mine != ex.body(reference_lines):
-            out += mine
+        mine = answers.get(ex.key)
+        if mine is not None and mine != dedent(ex.body(reference_lines), ex.indent):
+            out += indent_to(mine, ex.indent)
         elif ex.week >= week:
             out += ex.stub()
         else:
@@ -177,21 +201,47 @@ def render(reference_lines: list[str], exercises: list[Exercise], week: int,
 
 
 def make_workspace(week: int, workspace: Path = DEFAULT_WORKSPACE, keep_learner_work: bool = True) -> Path:
-    """Create or update `workspace/nanoserve` stubbed from `week` on. Returns the package path."""
+    """Create or update `workspace/nanoserve` stubbed from `week` on. Returns the package path.
+
+    A workspace made from an older layout of the reference keeps every answer (they are carried
+    by exercise key); its modules that the reference no longer has are moved, untouched, to
+    `workspace/replaced/`, so nothing there can shadow the new modules and nothing is lost."""
     target = workspace / "nanoserve"
+    answers = learner_answers(target) if keep_learner_work and target.exists() else {}
     target.mkdir(parents=True, exist_ok=True)
     for rel in source_files():
         ref_lines = (PACKAGE_DIR / rel).read_text().splitlines(keepends=True)
         exercises = find_exercises(ref_lines, rel)
         dest = target / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        mine = dest.read_text().splitlines(keepends=True) if keep_learner_work and dest.exists() else None
-        dest.write_text("".join(render(ref_lines, exercises, week, mine)))
+        dest.write_text("".join(render(ref_lines, exercises, week, answers)))
+    retired = retire_stale_modules(target, workspace / "replaced")
+    if retired:
+        print(f"moved {len(retired)} module(s) the reference no longer has to {workspace / 'replaced'}: "
+              f"{', '.join(str(p) for p in retired)} (your answers in them were carried over)")
     assets = PACKAGE_DIR / "assets"
     if assets.exists():
         shutil.copytree(assets, target / "assets", dirs_exist_ok=True)
     (workspace / "WEEK").write_text(f"{week}\n")
     return target
+
+
+def retire_stale_modules(target: Path, attic: Path) -> list[Path]:
+    """Move the workspace's Python files that the reference does not have to `attic` (same
+    relative paths), and drop the folders that leaves empty. Returns the moved paths."""
+    keep = set(source_files())
+    moved = []
+    for path in sorted(target.rglob("*.py")):
+        rel = path.relative_to(target)
+        if "__pycache__" in rel.parts or rel in keep:
+            continue
+        (attic / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(path), attic / rel)
+        moved.append(rel)
+    for folder in sorted((p for p in target.rglob("*") if p.is_dir()), reverse=True):
+        if not any(f for f in folder.rglob("*") if f.is_file() and "__pycache__" not in f.parts):
+            shutil.rmtree(folder)
+    return moved
 
 
 def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:

@@ -95,6 +95,53 @@ def test_start_peek_reset_and_learner_work_survives(tmp_path, capsys):
     assert "no exercise named 'nope'" in capsys.readouterr().err
 
 
+def test_answers_follow_their_exercise_when_the_layout_changes(tmp_path, capsys):
+    """A workspace made from another layout of the reference (modules since moved, split or
+    renamed, exercises re-indented) keeps every answer: `start` carries them by exercise key."""
+    ws = tmp_path / "ws"
+    target = course.make_workspace(1, ws)
+    # The learner solves all of week 1 and one exercise of week 2, each in their own words.
+    mine = {}
+    for ex in course.all_exercises(target):
+        if ex.week == 1 or ex.key == "week02:attention":
+            answer = course.peek(ex.key).splitlines(keepends=True)[1:]
+            mine[ex.key] = [f"# my answer to {ex.key}\n"] + answer
+    for rel in course.source_files():
+        lines = (target / rel).read_text().splitlines(keepends=True)
+        for ex in reversed(course.find_exercises(lines, rel)):
+            if ex.key in mine:
+                lines[ex.begin + 1 : ex.end] = course.indent_to(mine[ex.key], ex.indent)
+        (target / rel).write_text("".join(lines))
+    # Now pretend it came from an older layout: every module somewhere else, some with their
+    # exercises one level deeper (a function that was later moved out of a class, say).
+    old = {}
+    for rel in course.source_files():
+        text = (target / rel).read_text()
+        if rel.name == "layers.py":
+            text = "".join("    " + line if line.strip() and line.startswith("    ") else line
+                           for line in text.splitlines(keepends=True))
+        old_rel = Path("old_layout") / ("_".join(rel.parts))
+        (target / old_rel).parent.mkdir(parents=True, exist_ok=True)
+        (target / old_rel).write_text(text)
+        (target / rel).unlink()
+        old[rel] = old_rel
+    assert course.make_workspace(3, ws) == target
+    assert "module(s) the reference no longer has" in capsys.readouterr().out
+    assert not (target / "old_layout").exists()
+    assert (ws / "replaced" / "old_layout").is_dir()  # moved out of the package, not deleted
+    for ex in course.all_exercises(target):
+        body = course.dedent(ex.body((target / ex.path).read_text().splitlines(keepends=True)), ex.indent)
+        if ex.key in mine:
+            assert body == mine[ex.key], ex.key
+        elif ex.week >= 3:
+            assert course.is_stub(body), ex.key
+        else:  # week 2's other exercises: solved from the reference, as `start --week 3` does
+            assert body == course.peek(ex.key).splitlines(keepends=True)[1:], ex.key
+    # ... and the carried answers still pass their week's tests.
+    result = course.run_week_tests(1, ws)
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
 def test_check_reports_the_first_stub(tmp_path, capsys):
     ws = tmp_path / "ws"
     course.make_workspace(4, ws)
