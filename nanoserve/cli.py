@@ -9,8 +9,7 @@ import time
 
 import torch
 
-from nanoserve.loader import MODEL_NAMES_HELP
-
+from nanoserve.model.loader import MODEL_NAMES_HELP
 
 
 def _default_device() -> str:
@@ -18,14 +17,15 @@ def _default_device() -> str:
 
 
 def _sampling_params(args: argparse.Namespace):
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           max_tokens=args.max_tokens, seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanoserve.engine import DTYPES, Engine, EngineConfig
+    from nanoserve.engine.config import DTYPES, EngineConfig
+    from nanoserve.engine.engine import Engine
 
     params = _sampling_params(args)
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
@@ -46,9 +46,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype) -> int:
-    from nanoserve.generate import greedy_generate_no_cache
-    from nanoserve.loader import load_model
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.engine.tokenizer import Tokenizer
+    from nanoserve.model.loader import load_model
+    from nanoserve.runner.generate import greedy_generate_no_cache
 
     tok = Tokenizer(args.model)
     model = load_model(args.model, dtype=dtype, device=device)
@@ -63,8 +63,9 @@ def _generate_no_cache(args: argparse.Namespace, device: str, dtype: torch.dtype
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from nanoserve.chat import ChatSession, run_chat
-    from nanoserve.engine import Engine, EngineConfig
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.engine.engine import Engine
+    from nanoserve.server.chat import ChatSession, run_chat
 
     engine = Engine(EngineConfig.from_args(args))
     return run_chat(ChatSession(engine, _sampling_params(args), system=args.system), args.message)
@@ -73,7 +74,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     import shutil
 
-    from nanoserve.gguf_loader import cache_dir
+    from nanoserve.model.gguf import cache_dir
 
     root = cache_dir() / "gguf"
     entries = sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
@@ -91,12 +92,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nanoserve.engine import AsyncEngine, Engine, EngineConfig
-    from nanoserve.server import create_app
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.engine.engine import Engine
+    from nanoserve.server.app import create_app
 
     _configure_logging(args.log_level)
-    if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/data_parallel.py)
-        from nanoserve.data_parallel import serve_data_parallel
+    if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/server/data_parallel.py)
+        from nanoserve.server.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args, args.argv)
     engine = Engine(EngineConfig.from_args(args))
@@ -133,9 +136,9 @@ def _configure_logging(level: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from nanoserve.compare import compare_with_hf, first_divergence, format_report
-    from nanoserve.loader import resolve_model_dir
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.bench.compare import compare_with_hf, first_divergence, format_report
+    from nanoserve.engine.tokenizer import Tokenizer
+    from nanoserve.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     ids = Tokenizer(model_dir).encode(args.prompt)
@@ -149,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from nanoserve.engine import EngineConfig
+    from nanoserve.engine.config import EngineConfig
 
     def add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
         p.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -202,35 +205,36 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="latency, throughput and serving benchmarks, HuggingFace side by side")
-    from nanoserve.bench import add_arguments, run as run_bench
+    from nanoserve.bench.cli import add_arguments
+    from nanoserve.bench.cli import run as run_bench
 
     add_arguments(bench)
     bench.set_defaults(func=run_bench)
 
     batch = sub.add_parser("run-batch", help="offline inference from a batch file (OpenAI batch JSONL, prompts in "
                                              "JSONL, CSV or Parquet); resumable")
-    import nanoserve.batch
+    import nanoserve.server.run_batch
 
-    nanoserve.batch.add_arguments(batch)
-    batch.set_defaults(func=nanoserve.batch.run)
+    nanoserve.server.run_batch.add_arguments(batch)
+    batch.set_defaults(func=nanoserve.server.run_batch.run)
 
     cache = sub.add_parser("cache", help="list the GGUF files converted so far; --clear removes them")
     cache.add_argument("--clear", action="store_true")
     cache.set_defaults(func=cmd_cache)
 
-    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course.py)")
+    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course/workspace.py)")
     return parser
 
 
 def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
     """Week 18: started by torchrun, ranks other than 0 do not run the command: they are the
     engine's workers (rank 0 runs it, and drives them). True once such a rank is done."""
-    from nanoserve.parallel import rank_device, torchrun_rank, worker_main
+    from nanoserve.engine.distributed import rank_device, torchrun_rank, worker_main
 
     found = torchrun_rank()
     if found is None or found[0] == 0 or not hasattr(args, "tensor_parallel_size"):
         return False
-    from nanoserve.engine import EngineConfig, default_device
+    from nanoserve.engine.config import EngineConfig, default_device
 
     rank, size = found
     if args.tensor_parallel_size != size:
@@ -244,8 +248,8 @@ def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course.py
-        from nanoserve.course import main as course_main
+    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course/workspace.py
+        from nanoserve.course.workspace import main as course_main
 
         return course_main(argv[1:])
     args = build_parser().parse_args(argv)

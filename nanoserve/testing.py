@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.tiny import TINY_MODEL_DIR
+from nanoserve.model.tiny import TINY_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -247,8 +247,10 @@ class ServerThread:
                  max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None):
         import socket
 
-        from nanoserve.engine import AsyncEngine, Engine, EngineConfig
-        from nanoserve.server import create_app
+        from nanoserve.engine.async_engine import AsyncEngine
+        from nanoserve.engine.config import EngineConfig
+        from nanoserve.engine.engine import Engine
+        from nanoserve.server.app import create_app
 
         kwargs = dict(model="tiny", device="cpu")
         kwargs.update(engine_kwargs or {})

@@ -25,9 +25,9 @@ from datetime import date
 
 import torch
 
-from nanoserve.bench import _free_gpu, throughput_workload
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.bench.common import free_gpu, throughput_workload
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
 
 
 def timed(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
               + ", ".join(f"{s['seconds']:.2f} s ({s['min_seconds']:.2f}-{s['max_seconds']:.2f}; "
                            f"{s['steps_with_prompts']} of {s['steps']} steps with prompts)" for s in r["shares"]))
     llm.close()
-    _free_gpu()
+    free_gpu()
     if args.out:
         device = str(llm.engine.runner.device)
         info = dict(what="each data-parallel replica's share timed alone on one device (scripts/bench_dp_share.py)",

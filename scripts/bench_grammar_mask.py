@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "week10")
 
 from test_structured_output import random_object_schema, schema_format  # noqa: E402
 
-from nanoserve.structured import TokenConstraint, grammar_for, make_tokenizer  # noqa: E402
+from nanoserve.sampling.grammar import TokenConstraint, grammar_for, make_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from nanoserve.loader import resolve_model_dir
+    from nanoserve.model.loader import resolve_model_dir
 
     for name in args.tokenizer:
         hf = AutoTokenizer.from_pretrained(resolve_model_dir(name) if name == "tiny" else name)

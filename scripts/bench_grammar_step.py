@@ -18,11 +18,12 @@ import argparse
 import statistics
 import time
 
-import nanoserve.sampling
+import nanoserve.sampling.grammar
 
-from nanoserve.engine import Engine, EngineConfig
-from nanoserve.sampling import SamplingParams
-from nanoserve.structured import grammar_for
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.grammar import grammar_for
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000, "maxLength": 1000}},
           "required": ["text"], "additionalProperties": False}
@@ -50,8 +51,8 @@ def timed_bitmasks(constraints, vocab_size):
     return packed
 
 
-TOKEN_BITMASKS = nanoserve.sampling.token_bitmasks
-nanoserve.sampling.token_bitmasks = timed_bitmasks
+TOKEN_BITMASKS = nanoserve.sampling.grammar.token_bitmasks
+nanoserve.sampling.grammar.token_bitmasks = timed_bitmasks
 
 
 def spread(values: list[float], scale: float = 1e3) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.bench import copy_bandwidth
+from nanoserve.bench.common import copy_bandwidth
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 

@@ -7,7 +7,7 @@
 greedy requests of --prompt-len random tokens (EOS ignored), lets them decode for a while, then
 times --rounds rounds of --steps steps, alternating `Tokenizer.decode`'s two paths (the Rust
 tokenizer called directly, and HF's wrapper around it) in one process, with the engine's defaults
-otherwise. Then `nanoserve.bench.step_breakdown` splits the plain loop's step into its phases, for
+otherwise. Then `nanoserve.bench.latency.step_breakdown` splits the plain loop's step into its phases, for
 each path twice. The step grows as the sequences do, so compare the rounds in pairs.
 """
 
@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from nanoserve.bench import step_breakdown
-from nanoserve.engine import Engine, EngineConfig
-from nanoserve.sampling import SamplingParams
+from nanoserve.bench.latency import step_breakdown
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
 
 
 def sync(engine: Engine) -> None:

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from nanoserve.bench import save_result, throughput_workload
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.bench.common import save_result, throughput_workload
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
 
 CONFIGS = {
     # name: (policy, max_num_seqs, kv cache memory in GiB or None for the default)

@@ -35,11 +35,13 @@ from unittest import mock
 import torch
 
 import nanoserve.engine as engine_module
-import nanoserve.parallel as parallel
-from nanoserve.bench import _free_gpu, copy_bandwidth, replay_ms
-from nanoserve.engine import Engine, EngineConfig
-from nanoserve.parallel import Group
-from nanoserve.sampling import SamplingParams
+import nanoserve.engine.distributed as parallel
+from nanoserve.bench.common import free_gpu, copy_bandwidth
+from nanoserve.bench.latency import replay_ms
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.model.tensor_parallel import Group
+from nanoserve.sampling.params import SamplingParams
 
 
 class NoCollectives(Group):
@@ -114,7 +116,7 @@ def measure(model: str, size: int, runs: int, prompt_len: int, new_tokens: int, 
             row["profile"] = replay_profile(engine)
     engine.close()
     del engine
-    _free_gpu()
+    free_gpu()
     return row
 
 

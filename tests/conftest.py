@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-# The learner's workspace (see nanoserve/course.py): when NANOSERVE_WORKSPACE names one, its
+# The learner's workspace (see nanoserve/course/workspace.py): when NANOSERVE_WORKSPACE names one, its
 # copy of the package shadows the reference for every test, unchanged.
 _workspace = os.environ.get("NANOSERVE_WORKSPACE")
 if _workspace:

@@ -1,4 +1,4 @@
-"""The capstone's checker: `nanoserve bench serving --check TRACK` (nanoserve/capstone.py).
+"""The capstone's checker: `nanoserve bench serving --check TRACK` (nanoserve/bench/capstone.py).
 
 It must pass when every target is met, print a MISS line and exit 1 when one is not, serve the
 learner's workspace when NANOSERVE_WORKSPACE names one, and the lesson must show the targets
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve import capstone, course
-from nanoserve.capstone import PENDING_GPU, TRACKS, Target, Track
+from nanoserve.bench import capstone
+from nanoserve.course import workspace as course
+from nanoserve.bench.capstone import PENDING_GPU, TRACKS, Target, Track
 from nanoserve.cli import main
 
 pytest.importorskip("httpx", reason="the serving benchmark's client needs httpx: pip install -e '.[dev]'")

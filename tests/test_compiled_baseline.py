@@ -4,11 +4,11 @@ eagerly, its greedy tokens equal nanoserve's (float32); compiled, on a GPU."""
 import pytest
 import torch
 
-from nanoserve.compiled_baseline import CompiledStaticDecoder
-from nanoserve.engine import LLM
-from nanoserve.loader import load_model
-from nanoserve.sampling import SamplingParams
-from nanoserve.tiny import tiny_model_dir
+from nanoserve.bench.compiled_baseline import CompiledStaticDecoder
+from nanoserve.engine.engine import LLM
+from nanoserve.model.loader import load_model
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.model.tiny import tiny_model_dir
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7, 40])

@@ -23,7 +23,7 @@ Three checks over `weeks/weekNN/README.md`, by plain text parsing (no network, n
    the package, and optionally a function or class in it by its qualified name,
 
        ```python
-       # nanoserve/layers.py, RotaryEmbedding.__init__
+       # nanoserve/model/layers.py, RotaryEmbedding.__init__
        ...lines copied from that function...
        ```
 
@@ -38,7 +38,7 @@ Three checks over `weeks/weekNN/README.md`, by plain text parsing (no network, n
    source.
 
 3. **No line numbers.** Line numbers go stale as soon as the file above them changes. A lesson
-   names a function (`nanoserve/engine.py, AsyncEngine._run`), never `engine.py:361`,
+   names a function (`nanoserve/engine/async_engine.py, AsyncEngine._run`), never `engine.py:361`,
    `L361` or "line 361 of engine.py".
 
 Weeks in PENDING are being rewritten; their cases are reported (xfail) without failing CI. When
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve import course
+from nanoserve.course import workspace as course
 
 ROOT = Path(__file__).resolve().parents[1]
 # Always the reference package, even when NANOSERVE_WORKSPACE puts a workspace (with stubs in
@@ -200,7 +200,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 @dataclass
 class Quote:
     line: int  # 1-based line of the lesson where the header comment is
-    path: str  # "nanoserve/layers.py"
+    path: str  # "nanoserve/model/layers.py"
     qualname: str | None  # "RotaryEmbedding.forward", or None for the whole file
     lines: list[str]  # the quoted lines after the header
 
@@ -326,8 +326,8 @@ def test_quoted_blocks_match_the_source(page: Path):
 
 
 def test_the_quote_checker_catches_a_stale_quote(tmp_path: Path):
-    pkg = tmp_path / "nanoserve"
-    pkg.mkdir()
+    pkg = tmp_path / "nanoserve" / "model"
+    pkg.mkdir(parents=True)
     (pkg / "layers.py").write_text(
         "import torch\n\n\n"
         "class Rotary:\n"
@@ -338,23 +338,23 @@ def test_the_quote_checker_catches_a_stale_quote(tmp_path: Path):
         "        return emb.cos().to(dtype), emb.sin().to(dtype)\n"
     )
     lesson = (
-        "Fresh:\n\n```python\n# nanoserve/layers.py, Rotary.forward\n"
+        "Fresh:\n\n```python\n# nanoserve/model/layers.py, Rotary.forward\n"
         "        freqs = positions.float()[:, None] * self.inv_freq[None, :]\n"
         "        ...\n"
         "        return emb.cos().to(dtype), emb.sin().to(dtype)\n```\n\n"
-        "Stale:\n\n```python\n# nanoserve/layers.py, Rotary.forward\n"
+        "Stale:\n\n```python\n# nanoserve/model/layers.py, Rotary.forward\n"
         "        inv_freq = self.inv_freq.to(positions.device)\n"
         "        freqs = positions.float()[:, None] * inv_freq[None, :]\n```\n\n"
-        "A gap without an elision:\n\n```python\n# nanoserve/layers.py, Rotary.forward\n"
+        "A gap without an elision:\n\n```python\n# nanoserve/model/layers.py, Rotary.forward\n"
         "        freqs = positions.float()[:, None] * self.inv_freq[None, :]\n"
         "        emb = torch.cat([freqs, freqs], dim=-1)\n```\n\n"
-        "A function that is gone:\n\n```python\n# nanoserve/layers.py, Rotary.backward\n"
+        "A function that is gone:\n\n```python\n# nanoserve/model/layers.py, Rotary.backward\n"
         "        return grad\n```\n\n"
         "Not a quote, so not checked:\n\n```python\nfreqs = anything_at_all()\n```\n"
     )
     found = quotes(lesson)
-    assert [(q.path, q.qualname) for q in found] == [("nanoserve/layers.py", "Rotary.forward")] * 3 + [
-        ("nanoserve/layers.py", "Rotary.backward")]
+    assert [(q.path, q.qualname) for q in found] == [("nanoserve/model/layers.py", "Rotary.forward")] * 3 + [
+        ("nanoserve/model/layers.py", "Rotary.backward")]
     fresh, stale, gap, gone = (check_quote(q, tmp_path) for q in found)
     assert fresh == []
     assert len(stale) == 1 and "inv_freq = self.inv_freq.to(positions.device)" in stale[0]
@@ -384,19 +384,19 @@ def test_no_line_numbers(page: Path):
     refs = line_references(page.read_text(encoding="utf-8"))
     assert not refs, (
         f"{_id(page)} refers to source lines by number, which go stale when the file changes; "
-        "name the function instead (e.g. `AsyncEngine._run` in `nanoserve/engine.py`): "
+        "name the function instead (e.g. `AsyncEngine._run` in `nanoserve/engine/engine.py`): "
         + ", ".join(f"line {n}: {ref!r}" for n, ref in refs)
     )
 
 
 def test_line_references_are_found():
     text = (
-        "see nanoserve/engine.py:361 and `engine.py:42`\n"
-        "nanoserve/server.py:292:    # >>> week11: sse-events\n"
+        "see nanoserve/engine/engine.py:361 and `engine.py:42`\n"
+        "nanoserve/server/app.py:292:    # >>> week11: sse-events\n"
         "https://github.com/x/y/blob/main/a.py#L10-L20\n"
         "L361 says so, and lines 10-20 of engine.py, and scheduler.py, line 7\n"
         "the L2 cache, a roofline 1213 tok/s, 8 lines of code, `AsyncEngine._run`\n"
     )
     found = [ref for _, ref in line_references(text)]
-    assert found == ["nanoserve/engine.py:361", "engine.py:42", "nanoserve/server.py:292", "#L10-L20",
+    assert found == ["nanoserve/engine/engine.py:361", "engine.py:42", "nanoserve/server/app.py:292", "#L10-L20",
                      "L361", "lines 10-20 of engine.py", ".py, line 7"]

@@ -21,7 +21,7 @@ The kernels sit behind the modules they replace, so `Llama.forward` stays the on
 `use_fused_kernels(model)` hands `add_rmsnorm` to every `RMSNorm` and `gate_up_silu` to every `MLP`
 of the model, and a paged context built with `fused=True` calls `rope_write_kv`, in decode and
 prefill steps alike. Each kernel rounds to the model's dtype at the same points as the PyTorch
-reference in `nanoserve/layers.py`, so bf16 results match it except for the order of a sum.
+reference in `nanoserve/model/layers.py`, so bf16 results match it except for the order of a sum.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.layers import MLP, RMSNorm
-from nanoserve.model import Llama
-from nanoserve.parallel import ColumnParallelLinear
+from nanoserve.model.layers import MLP, RMSNorm
+from nanoserve.model.llama import Llama
+from nanoserve.model.tensor_parallel import ColumnParallelLinear
 
 
 @triton.jit

@@ -6,7 +6,7 @@ prompt (its K/V just written), and in later weeks a chunk of a prompt or the k +
 speculative guess over a cached past. All are one computation: sequence i has `q_len` new tokens
 at the end of its `context_len` cached ones, and its new token j, at position
 p = context_len - q_len + j, may look at keys 0 .. p. The kernel reads K and V once, straight
-through the block table, where the PyTorch reference (`nanoserve.cache.paged_attention_reference`)
+through the block table, where the PyTorch reference (`nanoserve.attention.paged.paged_attention_reference`)
 first gathers a contiguous copy of each sequence.
 
 One program handles one tile of query rows against one KV head: BLOCK_Q consecutive new tokens
@@ -32,7 +32,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
 
 # Triton compiles a kernel again for every new constexpr value and for some properties of integer
 # arguments (equal to 1, divisible by 16), in most of a second: a variant first met mid-serving stalls

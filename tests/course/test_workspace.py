@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve import course
+from nanoserve.course import workspace as course
 
 REPO = Path(course.REPO_DIR)
 TEST_WEEKS = sorted(int(p.name[4:]) for p in (REPO / "tests").glob("week[0-9][0-9]") if p.is_dir())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from nanoserve.config import ConfigError, ModelConfig, RopeScaling
+from nanoserve.model.config import ConfigError, ModelConfig, RopeScaling
 from nanoserve.testing import make_checkpoint, tiny_config
 
 # Llama-3.2-1B's config.json as published (transformers 4.x format: rope_theta + rope_scaling).

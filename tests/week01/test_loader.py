@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoserve.loader import CheckpointError, checkpoint_files, hf_to_nanoserve, load_model, resolve_model_dir
+from nanoserve.model.config import CheckpointError
+from nanoserve.model.loader import checkpoint_files, hf_to_nanoserve, load_model, resolve_model_dir
 from nanoserve.testing import make_checkpoint, tiny_config
 
 

@@ -9,8 +9,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from nanoserve.config import ModelConfig
-from nanoserve.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 from nanoserve.testing import LLAMA_3_2_1B, tiny_config
 
 

@@ -3,8 +3,8 @@
 import torch
 
 from nanoserve.cli import main
-from nanoserve.compare import compare_with_hf, first_divergence, format_report
-from nanoserve.loader import load_model
+from nanoserve.bench.compare import compare_with_hf, first_divergence, format_report
+from nanoserve.model.loader import load_model
 from nanoserve.testing import make_checkpoint, tiny_config
 
 

@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from nanoserve.attention import PrefillContext
-from nanoserve.config import ModelConfig
-from nanoserve.generate import greedy_generate_no_cache
-from nanoserve.loader import load_model
+from nanoserve.attention.base import PrefillContext
+from nanoserve.model.config import ModelConfig
+from nanoserve.runner.generate import greedy_generate_no_cache
+from nanoserve.model.loader import load_model
 from nanoserve.testing import LLAMA_3_2_1B, make_hf_model, save_checkpoint
 
 pytestmark = pytest.mark.slow

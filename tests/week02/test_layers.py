@@ -10,9 +10,9 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from nanoserve.attention import PrefillContext, causal_attention
-from nanoserve.config import ModelConfig
-from nanoserve.layers import MLP, Attention, DecoderLayer, RotaryEmbedding
+from nanoserve.attention.base import PrefillContext, causal_attention
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.layers import MLP, Attention, DecoderLayer, RotaryEmbedding
 from nanoserve.testing import tiny_config
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}

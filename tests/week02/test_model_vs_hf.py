@@ -8,9 +8,9 @@ rope scaling, tied and untied embeddings.
 import pytest
 import torch
 
-from nanoserve.attention import PrefillContext
-from nanoserve.generate import greedy_generate_no_cache
-from nanoserve.loader import load_model
+from nanoserve.attention.base import PrefillContext
+from nanoserve.runner.generate import greedy_generate_no_cache
+from nanoserve.model.loader import load_model
 from nanoserve.testing import make_checkpoint, tiny_config
 
 NO_SCALING = dict(rope_type="default", rope_theta=10000.0)

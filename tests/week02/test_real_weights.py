@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from nanoserve.attention import PrefillContext
-from nanoserve.generate import greedy_generate_no_cache
-from nanoserve.loader import load_model
+from nanoserve.attention.base import PrefillContext
+from nanoserve.runner.generate import greedy_generate_no_cache
+from nanoserve.model.loader import load_model
 
 ENV = "NANOSERVE_LLAMA_3_2_1B"
 HOW = (

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from nanoserve.cache import NaiveCacheContext, NaiveKVCache, naive_cache_waste
-from nanoserve.generate import greedy_generate_naive_cache, greedy_generate_no_cache
-from nanoserve.loader import load_model
+from nanoserve.attention.naive import NaiveCacheContext, NaiveKVCache, naive_cache_waste
+from nanoserve.runner.generate import greedy_generate_naive_cache, greedy_generate_no_cache
+from nanoserve.model.loader import load_model
 from nanoserve.testing import make_checkpoint, tiny_config
 
 
@@ -37,7 +37,7 @@ def test_decode_step_reads_the_past_from_the_cache(pair):
     cache = NaiveKVCache(cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim)
     ours(ids[:9], torch.arange(9), NaiveCacheContext(cache, [0], [0], [9]))
     step = ours(ids[9:], torch.tensor([9]), NaiveCacheContext(cache, [0], [9], [1]))
-    from nanoserve.attention import PrefillContext
+    from nanoserve.attention.base import PrefillContext
 
     full = ours(ids, torch.arange(10), PrefillContext([10]))
     torch.testing.assert_close(step[-1], full[-1], atol=1e-5, rtol=1e-5)

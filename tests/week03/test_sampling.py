@@ -9,7 +9,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanoserve.sampling import SamplingParams, filtered_logits, make_generator, sample
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import filtered_logits, make_generator, sample
 
 
 @pytest.mark.parametrize(

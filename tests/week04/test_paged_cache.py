@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.blocks import BlockAllocator, OutOfBlocks, blocks_needed, paged_cache_waste, slot_of
-from nanoserve.cache import PagedKVCache, naive_cache_waste
+from nanoserve.scheduler.blocks import BlockAllocator, OutOfBlocks, blocks_needed, paged_cache_waste, slot_of
+from nanoserve.attention.paged import PagedKVCache
+from nanoserve.attention.naive import naive_cache_waste
 
 
 @settings(max_examples=200, deadline=None)

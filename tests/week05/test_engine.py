@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import make_checkpoint, tiny_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from nanoserve.attention import causal_attention
-from nanoserve.blocks import blocks_needed, slot_of
-from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
+from nanoserve.attention.base import causal_attention
+from nanoserve.scheduler.blocks import blocks_needed, slot_of
+from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
 
 
 def run_paged(seqs, block_size, heads, kv_heads, head_dim=16, num_blocks=256, seed=0):

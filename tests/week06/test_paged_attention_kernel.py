@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton", reason="week 6 needs the triton package: pip install triton (Linux)")
 
-from nanoserve.blocks import blocks_needed  # noqa: E402
-from nanoserve.cache import PagedKVCache, paged_attention_reference  # noqa: E402
+from nanoserve.scheduler.blocks import blocks_needed  # noqa: E402
+from nanoserve.attention.paged import PagedKVCache, paged_attention_reference  # noqa: E402
 from nanoserve.kernels.paged_attention import choose_num_splits, launch_shape, paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from nanoserve.engine import LLM
-from nanoserve.kernels import ENV_VAR, select_backend
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import LLM
+from nanoserve.attention.backend import ENV_VAR, select_backend
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import make_checkpoint, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

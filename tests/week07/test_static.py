@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from nanoserve.blocks import blocks_needed
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus
+from nanoserve.scheduler.blocks import blocks_needed
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence, SequenceStatus
 from nanoserve.testing import check_block_invariants, make_checkpoint, run_scheduler, tiny_config
 
 

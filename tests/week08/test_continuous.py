@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence
 from nanoserve.testing import check_block_invariants, make_checkpoint, run_scheduler, tiny_config
 
 

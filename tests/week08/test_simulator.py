@@ -1,6 +1,6 @@
 """Week 8: the queueing simulator: stable and unstable regimes, Little's law."""
 
-from nanoserve.simulator import SimConfig, simulate
+from nanoserve.scheduler.simulator import SimConfig, simulate
 
 
 def test_stable_regime_obeys_littles_law():
@@ -45,6 +45,6 @@ def test_the_scheduler_and_the_simulator_need_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, nanoserve.scheduler, nanoserve.simulator; print('torch' in sys.modules)"
+    code = "import sys, nanoserve.scheduler, nanoserve.scheduler.simulator; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -5,9 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence, SequenceStatus
 from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 
@@ -52,7 +53,7 @@ def test_a_request_that_can_never_fit_is_rejected():
 
 
 def test_without_preemption_running_dry_is_a_clear_error():
-    from nanoserve.blocks import OutOfBlocks
+    from nanoserve.scheduler.blocks import OutOfBlocks
 
     s = Scheduler(num_blocks=3, block_size=4, max_model_len=64, preemption=False)
     with pytest.raises(OutOfBlocks, match="preemption is off"):

@@ -4,8 +4,8 @@ client pointed at it, and greedy offline generation to compare with."""
 import pytest
 from openai import OpenAI
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
 

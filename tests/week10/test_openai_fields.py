@@ -12,8 +12,8 @@ import pytest
 import torch
 from openai import BadRequestError
 
-from nanoserve import server as server_module
-from nanoserve.tiny import TINY_MODEL_DIR
+from nanoserve.server import protocol
+from nanoserve.model.tiny import TINY_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -344,7 +344,7 @@ def test_every_field_has_a_documented_status(module, endpoint, chat):
     """Every field OpenAI defines (and every field nanoserve accepts) is in docs/openai_api.md's
     table, and its status there is what the server does."""
     table = documented(endpoint)
-    accepted = server_module.CHAT_FIELDS if chat else server_module.COMPLETION_FIELDS
+    accepted = protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS
     assert openai_fields(module) | accepted <= set(table), sorted(openai_fields(module) | accepted - set(table))
     for name, status in table.items():
         assert (name in accepted) == (status != "refused"), (name, status)

@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nanoserve.sampling import Sampler, SamplingParams, filtered_logits, token_logprobs
+from nanoserve.sampling.sampler import Sampler, filtered_logits, token_logprobs
+from nanoserve.sampling.params import SamplingParams
 
 V = 50
 
@@ -143,7 +144,7 @@ def test_the_sampler_reports_logprobs_of_the_raw_logits_per_sequence():
 def test_logprobs_and_prompt_logprobs_survive_preemption():
     """A pool too small for all requests preempts and recomputes sequences (week 9): their
     logprobs, prompt logprobs and tokens are those of a run with room to spare."""
-    from nanoserve.engine import LLM
+    from nanoserve.engine.engine import LLM
 
     prompts = [f"The list {i} of values and keys" for i in range(6)]
     params = SamplingParams(temperature=0.9, seed=1, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1,

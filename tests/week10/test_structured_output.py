@@ -18,8 +18,9 @@ import pytest
 import torch
 from openai import BadRequestError, OpenAI
 
-from nanoserve.sampling import Sampler, SamplingParams
-from nanoserve.structured import TokenConstraint, grammar_for, make_tokenizer
+from nanoserve.sampling.sampler import Sampler
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.grammar import TokenConstraint, grammar_for, make_tokenizer
 from nanoserve.testing import ServerThread, max_bytes, random_object_schema, schema_format
 
 MAX_MODEL_LEN = 1024
@@ -162,7 +163,7 @@ def test_the_official_client_gets_a_400_for_a_bad_schema(client):
 def test_constrained_requests_survive_preemption():
     """A pool too small for all requests preempts and recomputes sequences (week 9): the grammar
     keeps the tokens it consumed, and the answers are those of a run with room to spare."""
-    from nanoserve.engine import LLM
+    from nanoserve.engine.engine import LLM
 
     properties = {"a": {"type": "string", "maxLength": 4}, "b": {"type": "integer", "minimum": 0, "maximum": 999},
                   "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}
@@ -190,8 +191,8 @@ def test_packed_masks_equal_the_bool_masks(vocab_size):
     """What the sampler uses (`token_bitmasks`: llguidance fills a batch of packed rows on its own
     threads; unpacked on the device) allows exactly what `TokenConstraint.allowed` does, the stop
     tokens joining EOS included, at every step of random walks through random schemas."""
-    from nanoserve.structured import apply_token_bitmasks, make_tokenizer, token_bitmasks
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.sampling.grammar import apply_token_bitmasks, make_tokenizer, token_bitmasks
+    from nanoserve.engine.tokenizer import Tokenizer
 
     tokenizer = make_tokenizer(Tokenizer("tiny").hf)
     rng = random.Random(1)

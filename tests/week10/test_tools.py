@@ -18,10 +18,19 @@ import pytest
 from openai import BadRequestError
 
 from nanoserve.testing import ServerThread, max_bytes, random_object_schema
-from nanoserve.tiny import TINY_MODEL_DIR
-from nanoserve.tokenizer import Tokenizer
-from nanoserve.tools import (TAG_OPEN, ToolError, ToolUse, call_format, call_grammar, check_tools, held_from,
-                             parse_tool_calls, tool_use)
+from nanoserve.model.tiny import TINY_MODEL_DIR
+from nanoserve.engine.tokenizer import Tokenizer
+from nanoserve.server.tools import (
+    TAG_OPEN,
+    ToolError,
+    ToolUse,
+    call_format,
+    call_grammar,
+    check_tools,
+    held_from,
+    parse_tool_calls,
+    tool_use,
+)
 
 # The bundled model's chat template before it took tools: without tools it must render the same.
 OLD_TEMPLATE = (
@@ -214,7 +223,7 @@ def test_held_from_says_what_may_still_become_a_call():
 def test_the_call_grammar_accepts_a_valid_call_and_nothing_else(tok, fmt):
     from llguidance import LLMatcher
 
-    from nanoserve.structured import make_tokenizer
+    from nanoserve.sampling.grammar import make_tokenizer
 
     lltok = make_tokenizer(tok.hf)
     grammar = call_grammar(check_tools(TOOLS), fmt)  # "required": either function

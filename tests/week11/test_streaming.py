@@ -7,8 +7,8 @@ import re
 import httpx
 import pytest
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
 CHUNK_ID = re.compile(r"^(chatcmpl|cmpl)-[0-9a-f]{24}$")

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from nanoserve.engine import RequestOutput
-from nanoserve.sampling import TokenLogprob
-from nanoserve.tools import ToolCallStream, ToolUse, check_tools
+from nanoserve.engine.outputs import RequestOutput
+from nanoserve.sampling.sampler import TokenLogprob
+from nanoserve.server.tools import ToolCallStream, ToolUse, check_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 6},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

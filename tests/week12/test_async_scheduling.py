@@ -17,10 +17,13 @@ import asyncio
 import pytest
 import torch
 
-from nanoserve.course import stubbed_weeks
-from nanoserve.engine import LLM, AsyncEngine, Engine, EngineConfig
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import PENDING, Scheduler, Sequence
+from nanoserve.course.stubs import stubbed_weeks
+from nanoserve.engine.engine import LLM, Engine
+from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.sequence import PENDING, Sequence
+from nanoserve.scheduler.scheduler import Scheduler
 
 SHARED = list(range(30, 62))  # two full blocks of 16: prefix caching has something to reuse
 

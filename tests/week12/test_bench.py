@@ -51,9 +51,10 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
     """`bench serving` starts `nanoserve serve`: the engine options given to bench must reach it."""
     import argparse
 
-    from nanoserve.bench import _engine_options, add_arguments
+    from nanoserve.bench.cli import add_arguments
+    from nanoserve.bench.serving import engine_options
     from nanoserve.cli import build_parser
-    from nanoserve.engine import EngineConfig
+    from nanoserve.engine.config import EngineConfig
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -62,7 +63,7 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
                          "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
                          "--enable-prefix-caching", "--enable-chunked-prefill", "--scheduling-policy", "priority",
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
-    served = build_parser().parse_args(["serve", "--model", args.model] + _engine_options(args))
+    served = build_parser().parse_args(["serve", "--model", args.model] + engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
 
 

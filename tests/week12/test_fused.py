@@ -1,6 +1,6 @@
 """Week 12: the fused kernels equal the reference layers they replace.
 
-Each kernel against the PyTorch code of nanoserve/layers.py, then `Llama.forward` with the
+Each kernel against the PyTorch code of nanoserve/model/layers.py, then `Llama.forward` with the
 kernels swapped in against the same forward pass without them. On the CPU they run in Triton's
 interpreter.
 """
@@ -8,13 +8,13 @@ interpreter.
 import pytest
 import torch
 
-from nanoserve.cache import PagedAttentionMetadata, PagedContext, PagedKVCache
-from nanoserve.layers import RMSNorm, apply_rope
+from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
+from nanoserve.model.layers import RMSNorm, apply_rope
 from nanoserve.testing import make_checkpoint, tiny_config
 
 pytest.importorskip("triton", reason="week 12's kernels need the triton package: pip install triton (Linux)")
 from nanoserve.kernels.fused import add_rmsnorm, gate_up_silu, rope_write_kv, silu_mul, use_fused_kernels  # noqa: E402
-from nanoserve.loader import load_model  # noqa: E402
+from nanoserve.model.loader import load_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -9,10 +9,10 @@ same tests run with real graphs.
 import pytest
 import torch
 
-from nanoserve.cuda_graphs import CAPTURE_SIZES, CUDAGraphDecoder, padded_size
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Batch, Sequence
+from nanoserve.runner.cuda_graphs import CAPTURE_SIZES, CUDAGraphDecoder, padded_size
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.sequence import Batch, Sequence
 from nanoserve.testing import make_checkpoint, tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from nanoserve.chat import ChatSession, run_chat
-from nanoserve.engine import Engine, EngineConfig
-from nanoserve.sampling import SamplingParams
+from nanoserve.server.chat import ChatSession, run_chat
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

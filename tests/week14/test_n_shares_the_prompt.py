@@ -7,7 +7,7 @@ import torch
 from openai import OpenAI
 
 from nanoserve.testing import ServerThread
-from nanoserve.tiny import TINY_MODEL_DIR
+from nanoserve.model.tiny import TINY_MODEL_DIR
 
 BLOCK = 8
 PROMPT = ("A dictionary maps keys to values. The list type is a mutable sequence, and the tuple type "

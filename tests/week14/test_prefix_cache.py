@@ -9,11 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.blocks import OutOfBlocks
-from nanoserve.engine import LLM
-from nanoserve.prefix_cache import PrefixCachingAllocator, block_hash
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.scheduler.blocks import OutOfBlocks
+from nanoserve.engine.engine import LLM
+from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, block_hash
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence
 from nanoserve.testing import fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 # ------------------------------------------------------------------------------ block names

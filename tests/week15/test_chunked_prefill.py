@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import Scheduler, Sequence, SequenceStatus
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence, SequenceStatus
 from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 
@@ -228,7 +229,7 @@ def test_mixed_steps_replay_the_graph_path(ckpt, budget, monkeypatch):
     eager pass): the same tokens as HF. A budget of 100 is no captured size: the largest graph
     holds exactly the budget."""
     pytest.importorskip("triton", reason="the Triton backend needs the triton package: pip install triton (Linux)")
-    from nanoserve.cuda_graphs import CUDAGraphDecoder
+    from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
 
     calls = []
     run_mixed = CUDAGraphDecoder.run_mixed

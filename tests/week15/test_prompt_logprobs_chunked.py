@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from nanoserve.engine import LLM
-from nanoserve.sampling import SamplingParams
-from nanoserve.tiny import TINY_MODEL_DIR
+from nanoserve.engine.engine import LLM
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.model.tiny import TINY_MODEL_DIR
 
 PROMPTS = ["A dictionary maps keys to values. The list type is a mutable sequence, and the tuple type an "
            "immutable one; both support indexing and slicing.", "Return the", "import os\nimport sys\n"]
@@ -39,7 +39,7 @@ def test_steps_with_prompt_rows_leave_the_graph_path(monkeypatch):
     static buffers, nothing captured), and the prompt logprobs are all there, equal to the eager
     engine's."""
     pytest.importorskip("triton", reason="the Triton backend needs the triton package: pip install triton (Linux)")
-    from nanoserve.cuda_graphs import CUDAGraphDecoder
+    from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
 
     replays = []
     run_mixed = CUDAGraphDecoder.run_mixed

@@ -4,7 +4,7 @@ between the time to first token and the gaps between tokens."""
 
 import pytest
 
-from nanoserve.simulator import SimConfig, simulate
+from nanoserve.scheduler.simulator import SimConfig, simulate
 
 # Long prompts among long outputs, with a step time of 5 ms plus 50 us per prompt token: a step
 # that prefills a 1,000-token prompt takes 55 ms instead of 5 ms, for everyone in it.

@@ -10,8 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.engine import Engine, EngineConfig
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
 

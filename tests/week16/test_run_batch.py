@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import nanoserve
-from nanoserve.batch import run_batch
-from nanoserve.engine import LLM, EngineConfig
-from nanoserve.sampling import SamplingParams
-from nanoserve.server import APIError, sampling_params_from
+from nanoserve.server.run_batch import run_batch
+from nanoserve.engine.engine import LLM
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.server.protocol import APIError, sampling_params_from
 
 PROMPTS = ["The list", "A dictionary", "def f(x):", "Return the", "import os", "class"]
 CHATS = [[{"role": "user", "content": "hi"}],

@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from nanoserve.blocks import blocks_needed
-from nanoserve.engine import LLM, EngineConfig
-from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler.blocks import blocks_needed
+from nanoserve.engine.engine import LLM
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import check_block_invariants, save_checkpoint
-from nanoserve.tiny import tiny_model_dir
+from nanoserve.model.tiny import tiny_model_dir
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",  # copy-heavy: prompt lookup finds it
@@ -154,7 +155,7 @@ def test_verification_steps_replay_the_graph_path(reference, monkeypatch):
     """With CUDA graphs, a verification step whose sequences all run the same number of tokens
     goes through the static buffers (captured graphs on a GPU; on the CPU the same buffers and
     padding feed an eager pass). Tokens unchanged."""
-    from nanoserve.cuda_graphs import CUDAGraphDecoder
+    from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
 
     calls = []
     run_verify = CUDAGraphDecoder.run_verify

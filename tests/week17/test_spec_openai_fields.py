@@ -5,9 +5,10 @@ while it is in the engine, and exactly the answer of an engine without speculati
 import pytest
 import torch
 
-from nanoserve.engine import LLM, EngineConfig
-from nanoserve.sampling import SamplingParams
-from nanoserve.structured import grammar_for
+from nanoserve.engine.engine import LLM
+from nanoserve.engine.config import EngineConfig
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.grammar import grammar_for
 
 PROMPTS = ["the list, the list, the list, the", "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"]
 ASKING = [

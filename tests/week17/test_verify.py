@@ -6,8 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.sampling import SamplingParams, filtered_logits, make_generator, sample
-from nanoserve.speculative import NgramProposer, SpecStats, expected_tokens_per_step, verify
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import filtered_logits, make_generator, sample
+from nanoserve.engine.speculative import NgramProposer, SpecStats
+from nanoserve.sampling.rejection import expected_tokens_per_step, verify
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -12,7 +12,14 @@ import httpx
 import pytest
 import torch
 
-from nanoserve.data_parallel import Replica, Router, create_front, estimate_tokens, replica_argv, wait_healthy
+from nanoserve.server.data_parallel import (
+    Replica,
+    Router,
+    create_front,
+    estimate_tokens,
+    replica_argv,
+    wait_healthy,
+)
 from nanoserve.testing import ServerThread
 
 
@@ -158,9 +165,10 @@ def test_a_tensor_parallel_server_answers_503_once_a_rank_is_gone():
 
 @pytest.mark.slow
 def test_offline_replicas_give_the_same_outputs_in_order():
-    from nanoserve.data_parallel import generate_data_parallel
-    from nanoserve.engine import LLM, EngineConfig
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.server.data_parallel import generate_data_parallel
+    from nanoserve.engine.engine import LLM
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.sampling.params import SamplingParams
 
     config = EngineConfig(model="tiny", device="cpu", dtype=torch.float32)
     prompts = ["The list", "A dictionary is", "Once upon a time", "def f(x):", "Paris is"]

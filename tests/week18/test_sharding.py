@@ -10,9 +10,16 @@ from unittest import mock
 import pytest
 import torch
 
-from nanoserve.config import ModelConfig
-from nanoserve.loader import load_model
-from nanoserve.parallel import Group, check_shardable, head_range, kv_head_range, shard_model, shard_qkv
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.loader import load_model
+from nanoserve.model.tensor_parallel import (
+    Group,
+    check_shardable,
+    head_range,
+    kv_head_range,
+    shard_model,
+    shard_qkv,
+)
 from nanoserve.testing import make_checkpoint, tiny_config
 
 
@@ -159,13 +166,13 @@ def test_uneven_vocabulary_is_padded_and_cut(tmp_path):
 
 
 def test_the_model_code_is_unchanged():
-    """The parallel layers come from the loader's side (shard_model): model.py and layers.py know
+    """The parallel layers come from the loader's side (shard_model): model/llama.py and model/layers.py know
     nothing of ranks."""
     import inspect
 
-    import nanoserve.layers
-    import nanoserve.model
+    import nanoserve.model.layers
+    import nanoserve.model.llama
 
-    for module in (nanoserve.model, nanoserve.layers):
+    for module in (nanoserve.model.llama, nanoserve.model.layers):
         source = inspect.getsource(module)
         assert "parallel" not in source.lower() and "all_reduce" not in source

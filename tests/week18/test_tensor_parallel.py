@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from nanoserve.engine import LLM
-from nanoserve.parallel import WorkerFailed
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine.engine import LLM
+from nanoserve.engine.distributed import WorkerFailed
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import make_checkpoint, tiny_config
 
 pytestmark = pytest.mark.slow  # each test starts processes (a few seconds on the CPU)
@@ -148,7 +148,7 @@ def test_torchrun_starts_the_ranks(tmp_path):
 
 
 def _port():
-    from nanoserve.parallel import free_port
+    from nanoserve.engine.distributed import free_port
 
     return free_port()
 
@@ -175,7 +175,7 @@ def test_bench_never_replays_the_drivers_graph_alone():
     on two GPUs). With workers, the measurement is skipped; without, it replays."""
     from types import SimpleNamespace
 
-    from nanoserve.bench import replay_ms
+    from nanoserve.bench.latency import replay_ms
 
     class Graph:
         replays = 0

@@ -1,0 +1,7 @@
+"""`python -m nanoserve.course ...`: the same as `nanoserve course ...`."""
+
+import sys
+
+from nanoserve.course.workspace import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""EngineConfig: every option of an engine, its command-line flags derived from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine is built from. The command line, the benchmarks and the tests all
+    make one of these (`nanoserve.cli.add_engine_arguments` defines the matching options)."""
+
+    model: str | os.PathLike = "tiny"  # see nanoserve.model.loader.resolve_model_dir
+    dtype: torch.dtype | None = None  # default: float32 on the CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda when available
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the pool; default: measured on a GPU (below), 256 MiB on the CPU
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int | None = None  # tokens through the model per step; default: 8192, or 2048 with
+    # chunked prefill (week 15: measured on an H100, docs/benchmarks.md)
+    max_model_len: int | None = None  # default: the model's context length
+    attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
+    scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
+    preemption: bool = True  # week 9
+    enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
+    # the continuous policy (it costs nothing measurable without sharing), once week 14 is done (see below)
+    enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
+    scheduling_policy: str = "fcfs"  # or "priority" (continuous policy): lower priority values run first
+    speculative: str | None = None  # week 17: "ngram" (prompt lookup) or "draft" (a smaller model); None: off
+    num_speculative_tokens: int = 4  # guesses per decode and step
+    draft_model: str | os.PathLike | None = None  # speculative="draft": the draft's checkpoint (same tokenizer)
+    speculative_max_batch: int = 2  # no guesses in a step with more decodes than this (measured: docs/benchmarks.md)
+    ngram_min: int = 2  # speculative="ngram": the shortest suffix (in tokens) worth looking up
+    trace: bool = False  # keep a StepRecord per step
+    cuda_graphs: bool | None = None  # week 12; default: on with CUDA and the Triton backend
+    fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
+    tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
+    distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
+    distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
+    async_scheduling: bool | None = None  # issue 20: schedule step N+1 while the GPU runs step N; default: on
+    # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
+        """The command-line options of an engine, shared by generate, chat, serve and bench."""
+        from nanoserve.model.loader import MODEL_NAMES_HELP
+
+        p = parser.add_argument_group("engine")
+        p.add_argument("--model", default=default_model, help=f"{MODEL_NAMES_HELP} (default: {default_model})")
+        p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                       help="default: triton on CUDA, torch on the CPU")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-memory)")
+        p.add_argument("--kv-cache-memory", type=float, default=None,
+                       help="GiB for the KV pool (default: what --gpu-memory-utilization leaves after a "
+                            "measured step; 0.25 on the CPU)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of the GPU's memory for weights, activations, graphs and the KV pool")
+        p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per engine step (default: 8192; 2048 with --enable-chunked-prefill)")
+        p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+        p.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
+                       help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
+        p.add_argument("--no-preemption", dest="preemption", action="store_false",
+                       help="fail instead of preempting when the KV pool runs dry")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
+                            "the continuous policy)")
+        p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                       help="order of the queue and of preemption (continuous policy): arrival, or each request's "
+                            "priority, lower first, with aging so that none waits forever (default: fcfs)")
+        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
+                       help="decodes first, then prompts cut to fit --max-num-batched-tokens (week 15; default: off)")
+        p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                       help="speculative decoding (week 17): guesses from prompt lookup or a draft model, "
+                            "verified in one target pass (default: off)")
+        p.add_argument("--num-speculative-tokens", type=int, default=4, help="guesses per decode step (default: 4)")
+        p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model (same tokenizer)")
+        p.add_argument("--speculative-max-batch", type=int, default=2,
+                       help="no speculation in steps with more decodes than this (default: 2)")
+        p.add_argument("--ngram-min", type=int, default=2,
+                       help="--speculative ngram: the shortest suffix worth looking up, in tokens (default: 2)")
+        p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                       help="run decode steps eagerly on CUDA")
+        p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
+                       help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many GPUs (or CPU processes), one process each (week 18)")
+        p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
+                       help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
+                            "hosts of a Ray cluster (ray; needs `pip install ray`)")
+        p.add_argument("--distributed-timeout", type=float, default=300.0,
+                       help="seconds a rank waits for the others before the engine fails (default: 300)")
+        p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
+                            "from the GPU (default: on with CUDA graphs; not with tensor parallelism or speculation)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config the options of `add_arguments` describe."""
+        memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+        return cls(model=args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
+                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=memory,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+                   scheduler_policy=args.scheduler_policy, preemption=args.preemption,
+                   enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+                   scheduling_policy=args.scheduling_policy, speculative=args.speculative,
+                   num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+                   speculative_max_batch=args.speculative_max_batch, ngram_min=args.ngram_min,
+                   cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   tensor_parallel_size=args.tensor_parallel_size, distributed_executor=args.distributed_executor,
+                   distributed_timeout=args.distributed_timeout, async_scheduling=args.async_scheduling)
+

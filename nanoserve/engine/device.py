@@ -1,0 +1,90 @@
+"""One rank's device side: the model (or its shard), the KV pool sized to the memory left, the runner."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.attention.backend import select_backend
+from nanoserve.attention.paged import PagedKVCache
+from nanoserve.engine.config import EngineConfig
+from nanoserve.model.llama import Llama
+from nanoserve.model.loader import load_model
+from nanoserve.runner.runner import ModelRunner
+
+
+@dataclass
+class DeviceSide:
+    """What one rank holds on its device: the model (a shard of it, with tensor parallelism),
+    the runner with its KV pool and CUDA graphs, and the figures they were built from."""
+
+    model: Llama
+    runner: ModelRunner
+    num_blocks: int
+    max_model_len: int
+    attention_backend: str
+    kv_sizing: dict | None  # on a GPU: the measured figures behind the pool's size
+
+
+def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
+    """Load the model and build its runner on `c.device`. `group` (week 18): this rank's place
+    in a tensor-parallel group; every rank calls this with the same config, and their collective
+    steps (the measured step, the CUDA graph captures) pair up."""
+    device = c.device
+    attention_backend = select_backend(device, c.attention_backend)
+    dtype = c.dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if group is None:
+        model = load_model(c.model, dtype=dtype, device=device)
+    else:  # load whole on the CPU, keep this rank's shard, then move it
+        from nanoserve.model.tensor_parallel import shard_model
+
+        model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
+    cfg = model.config
+    max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
+    # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
+    # anything: that is how the CPU tests check them.
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
+        and attention_backend == "triton"
+    runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
+                       max_model_len=max_model_len, max_batch=c.max_num_seqs,
+                       verify_tokens=c.num_speculative_tokens if c.speculative else 0,
+                       verify_batch=c.speculative_max_batch,
+                       mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
+                       fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
+    kv_sizing = None
+    num_blocks = c.num_blocks
+    if num_blocks is None:
+        num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args)
+    if group is not None:  # the block tables must fit on every rank
+        from nanoserve.model.tensor_parallel import min_over_ranks
+
+        num_blocks = min_over_ranks(group, num_blocks)
+    runner = ModelRunner(model, num_blocks, c.block_size, **runner_args)
+    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
+
+
+def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict) -> tuple[int, dict | None]:
+    """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what is
+    left of `gpu_memory_utilization` of its memory once the weights and the measured peak of the
+    largest step (and the CUDA graphs) are accounted for. Also returns those measured figures."""
+    cfg = model.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    if c.kv_cache_memory is not None:
+        return max(1, c.kv_cache_memory // per_block), None
+    if not c.device.startswith("cuda"):
+        return max(1, 256 * 2**20 // per_block), None
+    gc.collect()  # an engine nobody references any more may still hold its pool, through a reference cycle
+    step_bytes = ModelRunner.measure_step_memory(model, c.block_size, c.max_num_batched_tokens, **runner_args)
+    free, total = torch.cuda.mem_get_info()
+    budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
+    if budget < per_block:
+        raise ValueError(
+            f"no GPU memory is left for the KV cache: {(total - free) / 2**30:.1f} GiB in use (weights and "
+            f"other processes), a step needs {step_bytes / 2**30:.1f} GiB more, and gpu_memory_utilization is "
+            f"{c.gpu_memory_utilization}: raise it, lower max_num_batched_tokens or max_num_seqs, or free the GPU"
+        )
+    return budget // per_block, dict(step_bytes=step_bytes, budget_bytes=budget, total_bytes=total)
+

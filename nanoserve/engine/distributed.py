@@ -1,0 +1,315 @@
+"""Week 18: tensor parallelism, one model split over several devices.
+
+One process per device, a *rank*. Every rank holds a slice of every weight matrix and a slice of
+the KV cache, and all ranks run the same forward pass on the same tokens at the same time. The
+slices are cut so that a layer needs only two collectives (Megatron-LM's scheme):
+
+    attention:  x ─▶ qkv_proj (column-parallel: my heads) ─▶ attend my heads ─▶ o_proj (row-parallel) ─▶ all-reduce
+    MLP:        x ─▶ gate_up_proj (column-parallel: my slice of I) ─▶ SwiGLU ─▶ down_proj (row-parallel) ─▶ all-reduce
+
+A column-parallel linear keeps some *output* features: rank r computes its own heads (or its own
+slice of the MLP's intermediate features) from the whole input, and needs nobody. A row-parallel
+linear keeps the matching *input* features: rank r multiplies its slice of the activations by its
+slice of the weight's columns, which gives a partial sum of the full output; one all-reduce adds
+the partial sums of all ranks, and every rank has the whole output again, ready for the norm and
+the residual (both cheap, so every rank does them in full).
+
+The vocabulary is split too: rank r holds rows [r·V/N, (r+1)·V/N) of the embedding, looks up the
+ids that fall in its rows (zeros for the others) and one all-reduce assembles the embeddings; the
+output projection (tied to the embedding, or not) gives each rank its slice of the logits, and an
+all-gather puts the whole rows together. Sampling happens on rank 0 only, the driver: it owns the
+scheduler, the tokenizer and the requests (`nanoserve/engine/engine.py`); the other ranks, the workers,
+only execute steps. Each step the driver broadcasts the step's description (a `StepInput`: token
+ids, positions, slot mapping, block tables; `nanoserve/runner/runner.py`) and all ranks run it. The block
+tables are the same on every rank: a block id names the same tokens everywhere, each rank storing
+its own heads of them.
+
+The model code (`nanoserve/model/llama.py`, `nanoserve/layers.py`) does not change: `shard_model` swaps
+these layers in after the loader has read the checkpoint, and sets each attention's and MLP's
+head counts and sizes to the local ones.
+
+Processes are started here (`start_workers`: torch.multiprocessing, or Ray actors with
+`executor="ray"`, the way to span several hosts), or by `torchrun`, whose environment variables
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are honoured. NCCL moves the tensors between GPUs,
+gloo between CPU processes; the step descriptions always travel over gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from nanoserve.engine.config import EngineConfig
+from nanoserve.model.tensor_parallel import Group
+
+DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+# ------------------------------------------------------------------------- which slice is mine
+
+
+
+
+
+
+# ------------------------------------------------------------------------------ parallel layers
+
+
+
+
+
+
+# ----------------------------------------------------------------------------- sharding a model
+
+
+# --------------------------------------------------------------------------- starting the ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (or anything that sets its
+    variables), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def init_group(rank: int, size: int, init_method: str, device: str, timeout: float) -> Group:
+    """Join the process group (every rank calls this with the same `init_method`): NCCL for the
+    forward pass on CUDA, gloo on the CPU; and a gloo group for the step descriptions. `device`
+    is this rank's own ("cuda:1", or "cpu")."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine per "
+                           "process (close the other engine first)")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    else:  # CPU ranks share the machine's cores: more threads than cores makes every collective wait
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    wait = datetime.timedelta(seconds=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=wait)
+    cpu_group = dist.new_group(backend="gloo", timeout=wait) if cuda else dist.group.WORLD
+    return Group(rank, size, dist.group.WORLD, cpu_group)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device rank `rank` runs on: its own GPU, or the CPU. Under torchrun, LOCAL_RANK picks
+    the GPU (ranks of several hosts)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+
+
+def broadcast_step(group: Group, message) -> object:
+    """Rank 0 sends `message` (a step, or None to stop), the others receive it."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
+    return box[0]
+
+
+def worker_main(config, rank: int, size: int, init_method: str, timeout: float, device: str) -> None:
+    """A worker rank's whole life: join the group, build the same device side as the driver
+    (its shard of the model, its KV pool, its CUDA graphs), then run the steps the driver
+    broadcasts until it sends None. `device`: this rank's own."""
+    from nanoserve.engine.device import build_device_side
+
+    group = init_group(rank, size, init_method, device, timeout)
+    try:
+        side = build_device_side(dataclasses.replace(config, device=device), group)
+        runner = side.runner
+        while (message := broadcast_step(group, None)) is not None:
+            runner.run(*message)
+            runner.prompt_logprobs.clear()  # only the driver reports them
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    """The driver's handle on ranks 1..N-1: started as processes (or Ray actors), told each step,
+    checked for life, and stopped."""
+
+    def __init__(self, config, size: int, executor: str = "mp", timeout: float = DEFAULT_TIMEOUT):
+        """Start ranks 1..size-1 of the engine `config` describes (its `device`: "cuda" or "cpu")."""
+        self.size, self.executor, self.timeout = size, executor, timeout
+        self.procs: list = []
+        self.refs: list = []
+        self.group: Group | None = None
+        self.failed: str | None = None  # why the group broke, once it has
+        self.closed = False
+        host = "127.0.0.1"
+        if executor == "ray":
+            import ray
+
+            if not ray.is_initialized():  # join RAY_ADDRESS's cluster, or start a local one
+                ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": _same_package_env()["PYTHONPATH"]}})
+            host = ray.util.get_node_ip_address()
+        self.init_method = f"tcp://{host}:{free_port()}"
+        if executor == "mp":
+            # Plain child processes running `python -m nanoserve.engine.distributed`: a fresh interpreter
+            # (CUDA cannot be forked), and unlike multiprocessing's "spawn" it never re-imports the
+            # caller's script, so `LLM(..., tensor_parallel_size=2)` works at a script's top level.
+            for rank in range(1, size):
+                args = (config, rank, size, self.init_method, timeout, rank_device(config.device, rank))
+                p = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.distributed"], stdin=subprocess.PIPE,
+                                     env=_same_package_env())
+                p.stdin.write(pickle.dumps(args))
+                p.stdin.close()
+                self.procs.append(p)
+        elif executor == "ray":
+            # Ray gives each actor its own GPU and shows it that GPU only (as cuda:0).
+            cuda = config.device.startswith("cuda")
+            actor = _ray_worker_class()
+            self.procs = [actor.options(num_gpus=int(cuda)).remote() for _ in range(1, size)]
+            self.refs = [a.run.remote(config, rank, size, self.init_method, timeout, "cuda:0" if cuda else "cpu")
+                         for rank, a in enumerate(self.procs, start=1)]
+        else:
+            raise ValueError(f"unknown distributed executor {executor!r}: 'mp' (processes) or 'ray'")
+
+    @classmethod
+    def started_elsewhere(cls, group: Group, timeout: float) -> "Workers":
+        """The handle on ranks that torchrun started: nothing to start or watch, the same steps
+        to broadcast, and the same None to send at the end."""
+        workers = cls.__new__(cls)
+        workers.size, workers.executor, workers.timeout = group.size, "torchrun", timeout
+        workers.procs, workers.refs, workers.group, workers.failed, workers.closed = [], [], group, None, False
+        return workers
+
+    def check_alive(self) -> None:
+        """Raise WorkerFailed if a worker has exited (it never should before `close`)."""
+        if self.executor in ("mp", "torchrun"):  # (torchrun watches its own: no processes here)
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    raise WorkerFailed(f"tensor-parallel rank {rank} exited (exit code {p.returncode}); the engine "
+                                       "cannot run without it: restart it")
+        else:
+            import ray
+
+            done, _ = ray.wait(self.refs, timeout=0, num_returns=len(self.refs))
+            for ref in done:
+                rank = self.refs.index(ref) + 1
+                try:
+                    ray.get(ref)
+                    reason = "returned early"
+                except Exception as e:  # noqa: BLE001 - what Ray reports is the message
+                    reason = f"failed: {type(e).__name__}: {e}"
+                raise WorkerFailed(f"tensor-parallel rank {rank} (a Ray actor) {reason}; restart the server")
+
+    def run_step(self, run, step, prompt_rows):
+        """Broadcast one step's description to the workers, then run it here too (`run` is the
+        driver's `ModelRunner.run`). A rank that died, or stopped answering for `timeout`
+        seconds, raises WorkerFailed, and every later step too: the group is broken for good."""
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+        try:
+            self.check_alive()
+            broadcast_step(self.group, (step, prompt_rows))
+            return run(step, prompt_rows)
+        except (RuntimeError, dist.DistBackendError) as e:  # a collective failed, or timed out
+            self.failed = str(e) if isinstance(e, WorkerFailed) else \
+                f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
+            raise WorkerFailed(self.failed) from e
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait for them (briefly), and leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.group is not None:
+                self.check_alive()
+                broadcast_step(self.group, None)
+        except Exception:  # noqa: BLE001 - a dead worker: stop the others below
+            pass
+        if self.executor in ("mp", "torchrun"):
+            for p in self.procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        else:
+            import ray
+
+            for a in self.procs:
+                ray.kill(a)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _same_package_env() -> dict[str, str]:
+    """This environment, with the directory of the running nanoserve package first on the path:
+    the workers must run the driver's code (a learner's workspace, say), not another copy."""
+    import nanoserve
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nanoserve.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _ray_worker_class():
+    import ray
+
+    @ray.remote
+    class RayWorker:  # a Ray actor that is one worker rank
+        def run(self, config, rank, size, init_method, timeout, device):
+            worker_main(config, rank, size, init_method, timeout, device)
+
+    return RayWorker
+
+
+if __name__ == "__main__":  # a worker rank started by `Workers` (executor "mp"): its arguments come pickled on stdin
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver, which then stops us
+    worker_main(*pickle.loads(sys.stdin.buffer.read()))
+
+
+def start_tensor_parallel(c: EngineConfig):
+    """Week 18: start ranks 1..N-1 (or, under torchrun, find them) and join them as rank 0.
+    Returns (rank 0's Group, the Workers handle)."""
+    from nanoserve.engine.distributed import (
+        Workers,
+        init_group,
+        rank_device,
+        torchrun_rank,
+    )
+
+    if c.speculative is not None:
+        raise ValueError("speculative decoding is not combined with tensor parallelism yet: use one of them")
+    if torchrun_rank() is not None:
+        rank, size = torchrun_rank()
+        if rank != 0 or size != c.tensor_parallel_size:
+            raise ValueError(f"under torchrun the engine is built on rank 0 with --tensor-parallel-size equal to "
+                             f"WORLD_SIZE ({size}); the other ranks run nanoserve.engine.distributed.worker_main")
+        init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        group = init_group(0, size, init, rank_device(c.device, 0), c.distributed_timeout)
+        return group, Workers.started_elsewhere(group, c.distributed_timeout)
+    workers = Workers(c, c.tensor_parallel_size, c.distributed_executor, c.distributed_timeout)
+    try:
+        workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, rank_device(c.device, 0),
+                                   c.distributed_timeout)
+    except BaseException:
+        workers.close()
+        raise
+    return workers.group, workers
+

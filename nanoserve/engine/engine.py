@@ -1,0 +1,444 @@
+"""Week 5: the engine loop, and the offline `LLM` API on top of it.
+
+    while has_work:
+        batch   = scheduler.schedule()           # who runs this step
+        logits  = runner.execute(batch)          # one forward pass for the whole batch
+        tokens  = sampler(logits, ...)           # the tokens each sequence samples (usually one)
+        scheduler.update(batch, tokens)          # append; stop tokens, stop strings, limits; free blocks
+        deliver(outputs)                         # text deltas, finished requests
+
+`Engine.step()` is one turn of that loop. `LLM.generate()` runs it until every prompt is done.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.config import EngineConfig, default_device
+from nanoserve.engine.device import build_device_side
+from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel
+from nanoserve.engine.outputs import (
+    RequestMetrics,
+    RequestOutput,
+    _held_back,
+    _Request,
+    _with_grammar,
+)
+from nanoserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.model.loader import resolve_model_dir
+from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.sampler import Sampler
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Sequence
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did (kept when the engine runs with `trace=True`)."""
+
+    step: int
+    start: float  # perf_counter seconds
+    end: float
+    seq_ids: list[int]
+    num_new_tokens: list[int]  # per sequence: > 1 for a prefill, 1 for a decode
+    num_waiting: int
+    blocks_used: int
+
+
+@dataclass
+class _InFlight:
+    """Issue 20: a step launched on the GPU whose tokens the host has not seen yet."""
+
+    batch: object  # the scheduler's Batch
+    tokens: torch.Tensor  # [sampled rows] on the device: the next step's inputs read them there
+    rows: dict[int, int]  # sequence id -> its row in `tokens`
+    host: torch.Tensor  # where the tokens land on the host (pinned)
+    event: torch.cuda.Event | None  # recorded after the copy to the host
+    before: list  # Scheduler.launched's record, for Scheduler.resolve
+
+
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        c = config or EngineConfig()
+        self.config = c = dataclasses.replace(c, device=c.device or default_device())
+        model_dir = resolve_model_dir(c.model)
+        self.model_name = str(c.model)
+        self.tokenizer = Tokenizer(model_dir)
+        # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks
+        # build the same device side (`build_device_side`) and run the steps it broadcasts.
+        self.workers, group = None, None
+        if c.tensor_parallel_size == 1 and c.distributed_executor != "mp":
+            raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
+                             "parallel engine: it needs tensor_parallel_size > 1")
+        if c.tensor_parallel_size > 1:
+            group, self.workers = start_tensor_parallel(c)
+        try:
+            side = build_device_side(c, group)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+        self.model, self.runner, self.kv_sizing = side.model, side.runner, side.kv_sizing
+        self.attention_backend, self.max_model_len = side.attention_backend, side.max_model_len
+        self.runner.workers = self.workers
+        if self.workers is not None:  # stop them when this engine goes away, or at exit
+            weakref.finalize(self, self.workers.close)
+        cfg = self.model.config
+        self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                                   self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
+                                   prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
+                                   scheduling=c.scheduling_policy)
+        if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
+            warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
+                          "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
+                          "make no progress; raise --max-num-batched-tokens or lower --max-num-seqs", stacklevel=2)
+        self.eos_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.runner.device)
+        self._grammar_tokenizer = None  # structured output (issue 17): built on first use
+        self.requests: dict[int, _Request] = {}
+        self.sequences: dict[int, Sequence] = {}
+        self.num_steps = 0
+        self.trace: list[StepRecord] | None = [] if c.trace else None
+        self.speculator = None
+        if c.speculative is not None:  # week 17
+            from nanoserve.engine.speculative import SpecDecoder
+
+            self.speculator = SpecDecoder(self, c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
+                                          draft_model=c.draft_model, ngram_min=c.ngram_min)
+        self.schedule_ahead = self._async_scheduling()
+        self._in_flight: _InFlight | None = None  # issue 20: the step launched and not yet resolved
+        self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
+        self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
+
+    def _prefix_caching(self) -> bool:
+        """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
+        learner's workspace it stays off by default until week 14's exercises are written, so the
+        earlier weeks never run a stub (nanoserve/course/stubs.py, `stubbed_weeks`)."""
+        c = self.config
+        if c.enable_prefix_caching is not None:
+            return c.enable_prefix_caching
+        from nanoserve.course.stubs import stubbed_weeks
+
+        return c.scheduler_policy == "continuous" and 14 not in stubbed_weeks()
+
+    def _async_scheduling(self) -> bool:
+        """Issue 20: schedule ahead of the GPU as asked, or by default where it pays: with CUDA
+        graphs on a GPU (on the CPU every operation finishes before the next starts, so there is
+        nothing to overlap), once week 12 is done in a learner's workspace. Not with tensor
+        parallelism (the workers do not have the sampled tokens) nor speculation (its guesses are
+        built from the tokens on the host)."""
+        c = self.config
+        conflicts = [name for name, on in (("tensor parallelism", self.workers is not None),
+                                           ("speculative decoding", self.speculator is not None)) if on]
+        if c.async_scheduling is not None:
+            if c.async_scheduling and conflicts:
+                raise ValueError(f"async scheduling does not work with {' or '.join(conflicts)}")
+            return c.async_scheduling
+        from nanoserve.course.stubs import stubbed_weeks
+
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.capture and not conflicts and 12 not in stubbed_weeks()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = True, priority: int = 0) -> int:
+        """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
+        first) matters only with `scheduling_policy="priority"`.
+
+        With `stream=False` the request produces one output, when it finishes, and its text is
+        decoded once at the end instead of token by token (unless it has stop strings, which
+        must be looked for as the text grows).
+        """
+        params = params or SamplingParams()
+        if self.workers is not None and self.workers.failed is not None:
+            raise WorkerFailed(self.workers.failed)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        vocab_size = self.model.config.vocab_size
+        if any(t >= vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has "
+                             f"{vocab_size} tokens")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
+        stop_checker = req.add_token if req.stream else None
+        constraint = None
+        if params.grammar is not None:  # structured output: the grammar also ends the request
+            constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
+            stop_checker = _with_grammar(stop_checker, constraint)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=stop_checker, priority=priority)
+        self.scheduler.add(seq)
+        self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
+        if params.logprobs is not None:
+            req.logprobs = []
+        self.requests[seq.seq_id] = req
+        self.sequences[seq.seq_id] = seq
+        if params.grammar is not None or params.presence_penalty or params.frequency_penalty \
+                or params.repetition_penalty != 1.0:
+            self._needs_tokens.add(seq.seq_id)  # issue 20: its steps wait for the host to see each token
+        return seq.seq_id
+
+    def grammar_tokenizer(self):
+        """Structured output's view of the tokenizer (`nanoserve.sampling.grammar.make_tokenizer`),
+        built the first time a request asks for it."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = make_tokenizer(self.tokenizer.hf)
+        return self._grammar_tokenizer
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Cancel a request now: its KV blocks go back to the pool at once. Returns its final
+        output (finish reason "abort"), or None if it had already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        seq = self.sequences.pop(request_id)
+        self.scheduler.finish(seq, "abort")
+        self.sampler.release(request_id)
+        self._needs_tokens.discard(request_id)
+        self.runner.prompt_logprobs.pop(request_id, None)
+        return RequestOutput(request_id, seq.prompt_ids, seq.output_ids, req.text, True, "abort",
+                             metrics=RequestMetrics.of(seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def spec_stats(self) -> dict | None:
+        """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
+        verified, acceptance rate, tokens per target step), or None without speculation."""
+        if self.speculator is None:
+            return None
+        s = self.speculator.stats
+        return dict(proposed=s.num_proposed, accepted=s.num_accepted, emitted=s.num_emitted, steps=s.num_steps,
+                    acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step)
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
+        prefix caching is off."""
+        return self.scheduler.allocator.stats() if self.scheduler.prefix_caching else None
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that got a token."""
+        if not self._speculation_paused():
+            if self.speculator is not None:  # week 17: the same loop, with guesses verified
+                return self.speculator.step()
+        if self.schedule_ahead:  # issue 20: the same loop, one step ahead of the GPU
+            if not self._needs_tokens:
+                return self._step_ahead()
+            if self._in_flight is not None:  # a request that needs every token on the host came in
+                return self.resolve_in_flight()
+        # >>> week05: engine-step
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits = self.runner.execute(batch)  # [rows to sample, vocab]
+        seqs = batch.seqs
+        rows = [s for s, n in zip(seqs, batch.num_samples) for _ in range(n)]  # the sequence of each row
+        flat = self.sampler(logits, [s.seq_id for s in rows], [s.params for s in rows],
+                            [s.token_ids for s in rows]).tolist()  # the step's one device->host copy
+        tokens, i = [], 0
+        for n in batch.num_samples:  # back to one list per sequence
+            tokens.append(flat[i : i + n])
+            i += n
+        self.scheduler.update(batch, tokens)
+        self.num_steps += 1
+        if self.trace is not None:
+            self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
+                                         [s.seq_id for s in seqs], list(batch.num_new_tokens),
+                                         len(self.scheduler.waiting), self.scheduler.allocator.num_used))
+        return [self._process(seq) for seq, n in zip(seqs, batch.num_samples) if n and self._has_output(seq)]
+        # <<< week05: engine-step
+
+    # -- issue 20: the loop one step ahead of the GPU ---------------------------------------------
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One turn of the loop with the host a step ahead: schedule step N+1 and launch it while
+        the GPU still runs step N, then wait for step N's tokens and deliver them. The GPU never
+        waits for the host between steps; the host's scheduling, staging and output work hide
+        behind the GPU's forward pass. Tokens and outputs are exactly those of `step`: stop
+        checks run one step late, and the token a sequence sampled after its end is dropped."""
+        start = time.perf_counter()
+        # >>> week12: step-ahead
+        batch = self.scheduler.schedule()
+        launched = None
+        if batch.seqs:
+            try:
+                launched = self._launch(batch)
+            except BaseException:
+                self._in_flight = None  # the step before it is lost too: its requests get aborted
+                raise
+        outputs = self.resolve_in_flight()
+        self._in_flight = launched
+        # <<< week12: step-ahead
+        if batch.seqs:
+            self.num_steps += 1
+            if self.trace is not None:  # (its end: when the step before it was resolved)
+                self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
+                                             [s.seq_id for s in batch.seqs], list(batch.num_new_tokens),
+                                             len(self.scheduler.waiting), self.scheduler.allocator.num_used))
+        return outputs
+
+    def resolve_in_flight(self) -> list[RequestOutput]:
+        """Issue 20: wait for the step in flight (if any), hand its tokens to the scheduler and
+        return its outputs. Afterwards no token is on the GPU that the host has not seen."""
+        if self._in_flight is None:
+            return []
+        f, self._in_flight = self._in_flight, None
+        if f.event is not None:
+            f.event.synchronize()
+        flat = f.host.tolist()
+        tokens = [[flat[f.rows[s.seq_id]]] if s.seq_id in f.rows else [] for s in f.batch.seqs]
+        self.scheduler.resolve(f.batch, tokens, f.before)  # stop checks, one step late
+        return [self._process(seq) for seq, t in zip(f.batch.seqs, tokens) if t and self._has_output(seq)]
+
+    def _launch(self, batch) -> "_InFlight":
+        """Run the forward pass and the sampler for `batch` without waiting for either: the
+        sampled tokens stay on the device (the next step reads its inputs from there), and a
+        copy of them to the host is queued behind them."""
+        last = None if self._in_flight is None else (self._in_flight.tokens, self._in_flight.rows)
+        logits = self.runner.execute(batch, last)
+        sampling = [s for s, k in zip(batch.seqs, batch.num_samples) if k]
+        tokens = self.sampler(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+        host, event = tokens, None
+        if tokens.is_cuda:  # into one of two reused pinned buffers (the other may still be in use)
+            self._host_tokens.reverse()
+            if self._host_tokens[0].numel() < tokens.numel():
+                self._host_tokens[0] = torch.empty(max(tokens.numel(), 256), dtype=torch.long, pin_memory=True)
+            host = self._host_tokens[0][: tokens.numel()]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        before = self.scheduler.launched(batch)
+        return _InFlight(batch, tokens, {s.seq_id: i for i, s in enumerate(sampling)}, host, event, before)
+
+    def _speculation_paused(self) -> bool:
+        """Issue 17: verification (week 17) samples with neither the raw logits at hand for
+        logprobs, nor the output tokens for presence and frequency penalties, and its greedy path
+        skips `logit_bias`. So while a request asking for any of these is in the engine, every
+        step is a plain one: no guesses, for anybody. The same while a request with structured
+        output is in: its grammar would have to check every guess (and roll back the rejected)."""
+        return self.speculator is not None and any(
+            p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty
+            or p.logit_bias or p.grammar is not None for p in (s.params for s in self.sequences.values()))
+
+    def _has_output(self, seq: Sequence) -> bool:
+        req = self.requests.get(seq.seq_id)  # None: aborted meanwhile
+        return req is not None and (req.stream or seq.is_finished)
+
+    def _process(self, seq: Sequence) -> RequestOutput:
+        """Build the request's output: its text so far, and the part of it not yet delivered."""
+        req = self.requests[seq.seq_id]
+        if seq.is_finished:
+            if not req.stream:  # offline, no stop strings: decode the whole output once, at the end
+                output = seq.output_ids
+                stopped_by_token = seq.finish_reason == "stop" and output and output[-1] in seq.stop_ids
+                req.text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
+            elif not req.cut:  # a character still held back by the detokenizer, and its stop strings
+                req.text += req.detok.flush()
+                if req.cut_at_stop_string():
+                    seq.finish_reason = "stop"  # even if the same token hit max_tokens
+        # Deliver text that can no longer turn out to be the start of a stop string.
+        end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
+        delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
+        logprobs = self._take_logprobs(seq, req)
+        metrics = None
+        if seq.is_finished:
+            del self.requests[seq.seq_id], self.sequences[seq.seq_id]
+            self.sampler.release(seq.seq_id)
+            self._needs_tokens.discard(seq.seq_id)
+            self.runner.prompt_logprobs.pop(seq.seq_id, None)
+            metrics = RequestMetrics.of(seq)
+        return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
+                             seq.is_finished, seq.finish_reason, delta, metrics, *logprobs)
+
+    def _take_logprobs(self, seq: Sequence, req: _Request) -> tuple:
+        """Issue 17: (all output logprobs so far, those `delta` delivers, the prompt's) for a
+        request that asked, else Nones. A token goes out with the delta that completes its text
+        (`req.ends`): one whose text is held back (a possible stop string, half a character, a
+        special token with no text) waits for it, and at the end every token goes out, the stop
+        token and any past a stop string included. So the deltas' logprobs add up to `logprobs`."""
+        if seq.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = self.runner.take_prompt_logprobs(seq)  # its prompt has run: it sampled
+        if req.logprobs is None:
+            return None, None, req.prompt_logprobs
+        delivered = len(seq.token_ids) - seq.num_pending - seq.prompt_len  # (not those still on the GPU)
+        req.logprobs += self.sampler.take_logprobs(seq.seq_id, delivered - len(req.logprobs))
+        covered = len(req.logprobs) if seq.is_finished else bisect.bisect_right(req.ends, req.emitted)
+        delta, req.num_delivered = req.logprobs[req.num_delivered : covered], max(covered, req.num_delivered)
+        return list(req.logprobs), delta, req.prompt_logprobs
+
+
+class LLM:
+    """Offline generation: give it prompts, get completions, in order.
+
+        llm = LLM("tiny")
+        outs = llm.generate(["The list", "A dictionary"], SamplingParams(max_tokens=20))
+        print(outs[0].text)
+    """
+
+    def __init__(self, model: str | os.PathLike | EngineConfig = "tiny", **engine_config):
+        """`model` names the model (with `engine_config`: any other field of `EngineConfig`, such
+        as device, dtype or num_blocks), or is a whole `EngineConfig`."""
+        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **engine_config)
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's other ranks (with tensor parallelism); nothing to do otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+        results: dict[int, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(prompts) >= 32
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+
+# ------------------------------------------------------------------ week 10: the engine thread
+
+
