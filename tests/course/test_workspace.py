@@ -142,6 +142,44 @@ def test_answers_follow_their_exercise_when_the_layout_changes(tmp_path, capsys)
     assert result.returncode == 0, result.stdout[-3000:]
 
 
+ISOLATED_RUN = """
+import sys
+from pathlib import Path
+
+# No editable install, no repository on the path: only the workspace (and torch & co.).
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path_hooks = [h for h in sys.path_hooks if not getattr(h, "__module__", "").startswith("__editable__")]
+sys.path_importer_cache.clear()
+sys.path.insert(0, sys.argv[1])
+import nanoserve
+from nanoserve.course.stubs import stubbed_weeks
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.engine import Engine
+from nanoserve.sampling.params import SamplingParams
+
+assert Path(nanoserve.__file__).is_relative_to(sys.argv[1]), nanoserve.__file__
+engine = Engine(EngineConfig(max_model_len=64))
+engine.add_request("Hello", SamplingParams(max_tokens=3, temperature=0))
+while engine.has_unfinished():
+    engine.step()
+print(sorted(stubbed_weeks()), engine.scheduler.prefix_caching)
+"""
+
+
+def test_the_workspace_engine_runs_without_the_reference_installed(tmp_path):
+    """The workspace's engine asks which weeks are still stubs (prefix caching stays off until
+    week 14 is written) through its own copy of nanoserve/course/stubs.py, not through the
+    reference's installation."""
+    ws = tmp_path / "ws"
+    course.make_workspace(9, ws, keep_learner_work=False)  # the engine's continuous batching is week 8's
+    assert not (ws / "nanoserve" / "course" / "workspace.py").exists()  # only the stub finder is copied
+    result = subprocess.run([sys.executable, "-c", ISOLATED_RUN, str(ws)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weeks, prefix_caching = result.stdout.strip().rsplit(" ", 1)
+    assert weeks == str(list(range(9, max(EXERCISE_WEEKS) + 1))) and prefix_caching == "False"
+
+
 def test_check_reports_the_first_stub(tmp_path, capsys):
     ws = tmp_path / "ws"
     course.make_workspace(4, ws)
