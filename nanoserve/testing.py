@@ -321,7 +321,7 @@ class ServerThread:
         return False
 
 
-# ------------------------------------------------------------------ JSON schemas (issue 17)
+# ------------------------------------------------------------------ JSON schemas (structured output)
 
 
 def random_value_schema(rng, depth: int) -> dict:

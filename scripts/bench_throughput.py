@@ -41,7 +41,7 @@ def main() -> None:
         del llm, eng  # free the previous engine's KV pool before sizing the next one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        llm = LLM(args.model, scheduler_policy=policy, max_num_seqs=max_seqs,
+        llm = LLM(args.model, batching=policy, max_num_seqs=max_seqs,
                   kv_cache_memory=None if kv_gib is None else int(kv_gib * 2**30))
         eng = llm.engine
         prompts, lengths = throughput_workload(args.num_requests, eng.model.config.vocab_size, (100, 1024), (100, 1024))

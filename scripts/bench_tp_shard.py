@@ -34,8 +34,8 @@ from unittest import mock
 
 import torch
 
-import nanoserve.engine as engine_module
-import nanoserve.engine.distributed as parallel
+import nanoserve.engine.engine as engine_module
+import nanoserve.model.tensor_parallel as tensor_parallel
 from nanoserve.bench.common import free_gpu, copy_bandwidth
 from nanoserve.bench.latency import replay_ms
 from nanoserve.engine.engine import Engine
@@ -60,7 +60,7 @@ def shard_engine(config: EngineConfig, size: int) -> Engine:
         return Engine(config)
     build = engine_module.build_device_side
     with mock.patch.object(engine_module, "build_device_side", lambda c, group=None: build(c, NoCollectives(0, size))), \
-            mock.patch.object(parallel, "min_over_ranks", lambda group, value: value):
+            mock.patch.object(tensor_parallel, "min_over_ranks", lambda group, value: value):
         return Engine(config)
 
 

@@ -1,4 +1,9 @@
-"""Week 3: the naive KV cache, one contiguous buffer per sequence, and what it wastes."""
+"""Week 3: the naive KV cache and its attention context.
+
+One contiguous slab per sequence, sized for the longest sequence it might ever hold. Simple, and
+wasteful: a 20-token answer reserves as much memory as a 2000-token one (`naive_cache_waste`
+counts it). Week 4's paged cache, `nanoserve/attention/paged.py`, is the answer.
+"""
 
 from __future__ import annotations
 

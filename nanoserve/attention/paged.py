@@ -1,13 +1,10 @@
-"""KV caches, and the attention contexts that read and write them.
-
-Week 3, the naive cache: one contiguous slab per sequence, sized for the longest sequence it
-might ever hold. Simple, and wasteful: a 20-token answer reserves as much memory as a 2000-token
-one.
+"""The paged KV cache (weeks 4-5), and the attention context that reads and writes it.
 
 Week 4, the paged cache: one shared pool of fixed-size blocks per layer. A sequence owns a list
 of blocks (its *block table*) and grows one block at a time, so it wastes at most one partly
-filled block. Which sequence owns which block is bookkeeping, kept apart from the tensors in
-`nanoserve/scheduler/blocks.py` (the `BlockAllocator`, slot arithmetic); this file holds the pool itself.
+filled block (compare week 3's naive cache, `nanoserve/attention/naive.py`). Which sequence owns
+which block is bookkeeping, kept apart from the tensors in `nanoserve/scheduler/blocks.py` (the
+`BlockAllocator`, slot arithmetic); this file holds the pool itself.
 
 Week 5, `PagedContext`: the attention context over that pool, for any mix of prompts and
 decode tokens. Its PyTorch `read` is the ground truth for week 6's Triton kernel.

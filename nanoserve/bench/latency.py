@@ -27,14 +27,14 @@ def step_breakdown(engine, steps: int) -> dict[str, float]:
 
     The engine's scheduler and runner are timed from the outside (their methods wrapped for the
     measurement, then restored); the GPU is synchronised after the forward pass, so 'forward'
-    holds the GPU time. The loop runs plainly here, not a step ahead of the GPU (issue 20), so
+    holds the GPU time. The loop runs plainly here, without async scheduling, so
     that each phase is seen whole. 'sample' is the rest of the step: sampling, the device->host copy of the
     tokens, and building the outputs.
     """
     device = str(engine.runner.device)
     totals = dict(schedule=0.0, forward=0.0, sample=0.0, update=0.0)
-    engine.resolve_in_flight()  # measured on the plain loop: scheduling ahead (issue 20) would hide phases
-    ahead, engine.schedule_ahead = engine.schedule_ahead, False
+    engine.deliver(engine.resolve_in_flight())  # measured on the plain loop: async scheduling would hide phases
+    was_async, engine.async_scheduling = engine.async_scheduling, False
 
     def timed(obj, name: str, key: str, sync: bool = False) -> None:
         inner = getattr(obj, name)
@@ -60,7 +60,7 @@ def step_breakdown(engine, steps: int) -> dict[str, float]:
     finally:
         for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.scheduler, "update")):
             del obj.__dict__[name]  # back to the class's method
-        engine.schedule_ahead = ahead
+        engine.async_scheduling = was_async
     totals["sample"] = total - totals["schedule"] - totals["forward"] - totals["update"]
     return {k: 1e3 * v / steps for k, v in totals.items()}
 

@@ -137,7 +137,7 @@ def bench_prefix(args) -> dict:
 
     model_dir = resolve_model_dir(args.model)
     vocab = vocab_size_of(model_dir)
-    base = replace(EngineConfig.from_args(args), model=model_dir, scheduler_policy="continuous")
+    base = replace(EngineConfig.from_args(args), model=model_dir, batching="continuous")
     rows = []
     order = {"both": (True, False) if args.caching_first else (False, True), "on": (True,), "off": (False,)}
     for workload in args.workloads.split(","):

@@ -20,7 +20,7 @@ def bench_serving(args) -> dict:
 
     import httpx
 
-    from nanoserve.course.workspace import ENV_VAR, workspace_from_env
+    from nanoserve.course.stubs import ENV_VAR, workspace_from_env
     from nanoserve.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
@@ -128,7 +128,7 @@ def engine_options(args: argparse.Namespace) -> list[str]:
     out = []
     for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "scheduler_policy", "scheduling_policy", "speculative", "draft_model", "tensor_parallel_size",
+                 "batching", "scheduling_policy", "speculative", "draft_model", "tensor_parallel_size",
                  "distributed_executor", "data_parallel_size"):
         value = getattr(args, name)
         if value is not None:

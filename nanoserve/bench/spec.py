@@ -217,7 +217,7 @@ def _forced_sweep(args, off, on) -> dict:
     on.speculator.proposer = RandomProposer(vocab)
     k, rows = args.num_speculative_tokens, []
     for accept in map(float, args.forced_acceptance.split(",")):
-        on.speculator.verify = forced_verify(accept)
+        on.speculator.accept = forced_verify(accept)
         runs = [decode_run(on, prompt, args.new_tokens) for _ in range(args.spec_runs)]
         used = runs[1:] or runs
         tok_on = statistics.median(r["tok_s"] for r in used)

@@ -8,10 +8,12 @@ there too (`stubbed_weeks`) without depending on how the reference was installed
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the nanoserve/ this file belongs to
+ENV_VAR = "NANOSERVE_WORKSPACE"  # names a learner's workspace (tests, notebooks, benchmarks)
 COPIED = (Path("course/__init__.py"), Path("course/stubs.py"))  # into every workspace, unchanged
 
 
@@ -35,3 +37,17 @@ def _stubbed_weeks(package: Path) -> frozenset[int]:
     stub = re.compile(r'raise NotImplementedError\("week (\d\d) exercise')
     return frozenset(int(m.group(1)) for rel in source_files(package)
                      for m in stub.finditer((package / rel).read_text()))
+
+
+def workspace_from_env() -> Path | None:
+    """The workspace NANOSERVE_WORKSPACE names, resolved (None when the variable is not set).
+
+    Raises FileNotFoundError if it holds no `nanoserve/` package."""
+    value = os.environ.get(ENV_VAR)
+    if not value:
+        return None
+    workspace = Path(value).expanduser().resolve()
+    if not (workspace / "nanoserve" / "__init__.py").is_file():
+        raise FileNotFoundError(f"{ENV_VAR}={value} holds no nanoserve/ package: run `nanoserve course start "
+                                "--week N` first, or unset the variable to use the reference")
+    return workspace

@@ -37,12 +37,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.course.stubs import COPIED, PACKAGE_DIR, source_files
+from nanoserve.course.stubs import (
+    COPIED,
+    ENV_VAR,
+    PACKAGE_DIR,
+    source_files,
+)
 
 REPO_DIR = PACKAGE_DIR.parent
 DEFAULT_WORKSPACE = REPO_DIR / "workspace"
 NOTEBOOK_DIR = REPO_DIR / "notebooks"
-ENV_VAR = "NANOSERVE_WORKSPACE"
 
 BEGIN = re.compile(r"^(?P<indent>\s*)# >>> week(?P<week>\d\d): (?P<name>[a-z0-9-]+)\s*$")
 END = re.compile(r"^(?P<indent>\s*)# <<< week(?P<week>\d\d): (?P<name>[a-z0-9-]+)\s*$")
@@ -241,18 +245,6 @@ def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
     return count
 
 
-def workspace_from_env() -> Path | None:
-    """The workspace NANOSERVE_WORKSPACE names, resolved (None when the variable is not set).
-
-    Raises FileNotFoundError if it holds no `nanoserve/` package."""
-    value = os.environ.get(ENV_VAR)
-    if not value:
-        return None
-    workspace = Path(value).expanduser().resolve()
-    if not (workspace / "nanoserve" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{ENV_VAR}={value} holds no nanoserve/ package: run `nanoserve course start "
-                                "--week N` first, or unset the variable to use the reference")
-    return workspace
 
 
 def peek(name: str) -> str:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
+
+from nanoserve.model.loader import MODEL_NAMES_HELP
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,12 +34,12 @@ class EngineConfig:
     # chunked prefill (week 15: measured on an H100, docs/benchmarks.md)
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str | None = None  # "torch" or "triton"; default: triton on CUDA
-    scheduler_policy: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
+    batching: str = "continuous"  # week 5 "admit-all", week 7 "static", week 8 "continuous"
     preemption: bool = True  # week 9
     enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
-    # the continuous policy (it costs nothing measurable without sharing), once week 14 is done (see below)
-    enable_chunked_prefill: bool = False  # week 15 (continuous policy): decodes first, prompts in chunks
-    scheduling_policy: str = "fcfs"  # or "priority" (continuous policy): lower priority values run first
+    # continuous batching (it costs nothing measurable without sharing), once week 14 is done (see below)
+    enable_chunked_prefill: bool = False  # week 15 (continuous batching): decodes first, prompts in chunks
+    scheduling_policy: str = "fcfs"  # or "priority" (continuous batching): lower priority values run first
     speculative: str | None = None  # week 17: "ngram" (prompt lookup) or "draft" (a smaller model); None: off
     num_speculative_tokens: int = 4  # guesses per decode and step
     draft_model: str | os.PathLike | None = None  # speculative="draft": the draft's checkpoint (same tokenizer)
@@ -49,7 +52,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
-    async_scheduling: bool | None = None  # issue 20: schedule step N+1 while the GPU runs step N; default: on
+    async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
 
     def __post_init__(self) -> None:
@@ -59,7 +62,6 @@ class EngineConfig:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
         """The command-line options of an engine, shared by generate, chat, serve and bench."""
-        from nanoserve.model.loader import MODEL_NAMES_HELP
 
         p = parser.add_argument_group("engine")
         p.add_argument("--model", default=default_model, help=f"{MODEL_NAMES_HELP} (default: {default_model})")
@@ -78,15 +80,15 @@ class EngineConfig:
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens per engine step (default: 8192; 2048 with --enable-chunked-prefill)")
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-        p.add_argument("--scheduler-policy", choices=["admit-all", "static", "continuous"], default="continuous",
+        p.add_argument("--batching", choices=["admit-all", "static", "continuous"], default="continuous",
                        help="week 5's admit-all, week 7's static or week 8's continuous batching (default)")
         p.add_argument("--no-preemption", dest="preemption", action="store_false",
                        help="fail instead of preempting when the KV pool runs dry")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
-                            "the continuous policy)")
+                            "continuous batching)")
         p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                       help="order of the queue and of preemption (continuous policy): arrival, or each request's "
+                       help="order of the queue and of preemption (continuous batching): arrival, or each request's "
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                        help="decodes first, then prompts cut to fit --max-num-batched-tokens (week 15; default: off)")
@@ -116,19 +118,11 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        """The config the options of `add_arguments` describe."""
-        memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
-        return cls(model=args.model, dtype=DTYPES[args.dtype] if args.dtype else None, device=args.device,
-                   block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=memory,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                   scheduler_policy=args.scheduler_policy, preemption=args.preemption,
-                   enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-                   scheduling_policy=args.scheduling_policy, speculative=args.speculative,
-                   num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-                   speculative_max_batch=args.speculative_max_batch, ngram_min=args.ngram_min,
-                   cuda_graphs=args.cuda_graphs, fused_kernels=args.fused_kernels,
-                   gpu_memory_utilization=args.gpu_memory_utilization,
-                   tensor_parallel_size=args.tensor_parallel_size, distributed_executor=args.distributed_executor,
-                   distributed_timeout=args.distributed_timeout, async_scheduling=args.async_scheduling)
-
+        """The config the options of `add_arguments` describe: every field with an option of the
+        same name (`trace` has none), in the field's units (a dtype by name, the KV pool in GiB)."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        if given.get("dtype") is not None:
+            given["dtype"] = DTYPES[given["dtype"]]
+        if given.get("kv_cache_memory") is not None:
+            given["kv_cache_memory"] = int(given["kv_cache_memory"] * 2**30)
+        return cls(**given)

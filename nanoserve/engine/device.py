@@ -12,6 +12,7 @@ from nanoserve.attention.paged import PagedKVCache
 from nanoserve.engine.config import EngineConfig
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
+from nanoserve.model.tensor_parallel import min_over_ranks, shard_model
 from nanoserve.runner.runner import ModelRunner
 
 
@@ -38,8 +39,6 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     if group is None:
         model = load_model(c.model, dtype=dtype, device=device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
-        from nanoserve.model.tensor_parallel import shard_model
-
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
     cfg = model.config
     max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -59,8 +58,6 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     if num_blocks is None:
         num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args)
     if group is not None:  # the block tables must fit on every rank
-        from nanoserve.model.tensor_parallel import min_over_ranks
-
         num_blocks = min_over_ranks(group, num_blocks)
     runner = ModelRunner(model, num_blocks, c.block_size, **runner_args)
     return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)

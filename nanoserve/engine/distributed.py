@@ -3,7 +3,6 @@
 One process per device, a *rank*. Every rank holds a slice of every weight matrix and a slice of
 the KV cache, and all ranks run the same forward pass on the same tokens at the same time. The
 slices are cut so that a layer needs only two collectives (Megatron-LM's scheme):
-
     attention:  x ─▶ qkv_proj (column-parallel: my heads) ─▶ attend my heads ─▶ o_proj (row-parallel) ─▶ all-reduce
     MLP:        x ─▶ gate_up_proj (column-parallel: my slice of I) ─▶ SwiGLU ─▶ down_proj (row-parallel) ─▶ all-reduce
 
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.device import build_device_side
 from nanoserve.model.tensor_parallel import Group
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -129,7 +129,6 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
     """A worker rank's whole life: join the group, build the same device side as the driver
     (its shard of the model, its KV pool, its CUDA graphs), then run the steps the driver
     broadcasts until it sends None. `device`: this rank's own."""
-    from nanoserve.engine.device import build_device_side
 
     group = init_group(rank, size, init_method, device, timeout)
     try:

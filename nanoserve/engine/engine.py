@@ -8,11 +8,13 @@
         deliver(outputs)                         # text deltas, finished requests
 
 `Engine.step()` is one turn of that loop. `LLM.generate()` runs it until every prompt is done.
+Later weeks plug into the same step: speculative decoding (week 17) through the hooks of
+`SpecDecoder` around the forward pass, and async scheduling (week 12), which launches a step
+before the step before it is resolved. The outputs are built by the `OutputProcessor` (outputs.py).
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import os
 import time
@@ -22,23 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel
-from nanoserve.engine.outputs import (
-    RequestMetrics,
-    RequestOutput,
-    _held_back,
-    _Request,
-    _with_grammar,
-)
-from nanoserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.engine.outputs import OutputProcessor, RequestOutput
+from nanoserve.engine.speculative import SpecDecoder
+from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import resolve_model_dir
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
 from nanoserve.scheduler.scheduler import Scheduler
-from nanoserve.scheduler.sequence import Sequence
+from nanoserve.scheduler.sequence import Batch, Sequence
 
 
 @dataclass
@@ -56,16 +54,14 @@ class StepRecord:
 
 @dataclass
 class _InFlight:
-    """Issue 20: a step launched on the GPU whose tokens the host has not seen yet."""
+    """Async scheduling: a step launched on the GPU whose tokens the host has not seen yet."""
 
-    batch: object  # the scheduler's Batch
+    batch: Batch
     tokens: torch.Tensor  # [sampled rows] on the device: the next step's inputs read them there
     rows: dict[int, int]  # sequence id -> its row in `tokens`
     host: torch.Tensor  # where the tokens land on the host (pinned)
     event: torch.cuda.Event | None  # recorded after the copy to the host
     before: list  # Scheduler.launched's record, for Scheduler.resolve
-
-
 
 
 class Engine:
@@ -96,7 +92,7 @@ class Engine:
             weakref.finalize(self, self.workers.close)
         cfg = self.model.config
         self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                   self.max_model_len, policy=c.scheduler_policy, preemption=c.preemption,
+                                   self.max_model_len, batching=c.batching, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
                                    scheduling=c.scheduling_policy)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
@@ -107,35 +103,34 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.runner.device)
-        self._grammar_tokenizer = None  # structured output (issue 17): built on first use
-        self.requests: dict[int, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.runner)
+        self._grammar_tokenizer = None  # structured output (week 10): built on first use
         self.sequences: dict[int, Sequence] = {}
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if c.trace else None
         self.speculator = None
         if c.speculative is not None:  # week 17
-            from nanoserve.engine.speculative import SpecDecoder
-
-            self.speculator = SpecDecoder(self, c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
+            self.speculator = SpecDecoder(c.speculative, c.num_speculative_tokens, c.speculative_max_batch,
+                                          runner=self.runner, scheduler=self.scheduler, sampler=self.sampler,
+                                          max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                                           draft_model=c.draft_model, ngram_min=c.ngram_min)
-        self.schedule_ahead = self._async_scheduling()
-        self._in_flight: _InFlight | None = None  # issue 20: the step launched and not yet resolved
+        self.async_scheduling = self._choose_async_scheduling()
+        self._in_flight: _InFlight | None = None  # async scheduling: the step launched and not yet resolved
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
 
     def _prefix_caching(self) -> bool:
-        """Week 14's prefix caching: as asked, or by default on with the continuous policy. In a
+        """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
         learner's workspace it stays off by default until week 14's exercises are written, so the
         earlier weeks never run a stub (nanoserve/course/stubs.py, `stubbed_weeks`)."""
         c = self.config
         if c.enable_prefix_caching is not None:
             return c.enable_prefix_caching
-        from nanoserve.course.stubs import stubbed_weeks
 
-        return c.scheduler_policy == "continuous" and 14 not in stubbed_weeks()
+        return c.batching == "continuous" and 14 not in stubbed_weeks()
 
-    def _async_scheduling(self) -> bool:
-        """Issue 20: schedule ahead of the GPU as asked, or by default where it pays: with CUDA
+    def _choose_async_scheduling(self) -> bool:
+        """Async scheduling (week 12), as asked, or by default where it pays: with CUDA
         graphs on a GPU (on the CPU every operation finishes before the next starts, so there is
         nothing to overlap), once week 12 is done in a learner's workspace. Not with tensor
         parallelism (the workers do not have the sampled tokens) nor speculation (its guesses are
@@ -147,7 +142,6 @@ class Engine:
             if c.async_scheduling and conflicts:
                 raise ValueError(f"async scheduling does not work with {' or '.join(conflicts)}")
             return c.async_scheduling
-        from nanoserve.course.stubs import stubbed_weeks
 
         graphs = self.runner.graphs
         return graphs is not None and graphs.capture and not conflicts and 12 not in stubbed_weeks()
@@ -176,22 +170,17 @@ class Engine:
             raise ValueError(f"logit_bias names token {max(params.logit_bias)}; this model's vocabulary has "
                              f"{vocab_size} tokens")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        req = _Request(IncrementalDetokenizer(self.tokenizer), stop=params.stop, stream=stream or bool(params.stop))
-        stop_checker = req.add_token if req.stream else None
         constraint = None
         if params.grammar is not None:  # structured output: the grammar also ends the request
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
-            stop_checker = _with_grammar(stop_checker, constraint)
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), stop_checker=stop_checker, priority=priority)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority)
+        self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
         self.scheduler.add(seq)
         self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
-        if params.logprobs is not None:
-            req.logprobs = []
-        self.requests[seq.seq_id] = req
         self.sequences[seq.seq_id] = seq
         if params.grammar is not None or params.presence_penalty or params.frequency_penalty \
                 or params.repetition_penalty != 1.0:
-            self._needs_tokens.add(seq.seq_id)  # issue 20: its steps wait for the host to see each token
+            self._needs_tokens.add(seq.seq_id)  # async scheduling: its steps wait for the host to see each token
         return seq.seq_id
 
     def grammar_tokenizer(self):
@@ -204,16 +193,25 @@ class Engine:
     def abort(self, request_id: int) -> RequestOutput | None:
         """Cancel a request now: its KV blocks go back to the pool at once. Returns its final
         output (finish reason "abort"), or None if it had already finished."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
             return None
-        seq = self.sequences.pop(request_id)
         self.scheduler.finish(seq, "abort")
+        self._forget(request_id)
+        return self.output_processor.abort(seq)
+
+    @property
+    def requests(self) -> dict:
+        """The requests in the engine (finished ones leave it), by request id."""
+        return self.output_processor.requests
+
+    def _forget(self, request_id: int) -> None:
+        """A request finished or was aborted: drop what the engine, the sampler and the runner
+        kept for it (its text left the output processor with its last output)."""
+        del self.sequences[request_id]
         self.sampler.release(request_id)
         self._needs_tokens.discard(request_id)
         self.runner.prompt_logprobs.pop(request_id, None)
-        return RequestOutput(request_id, seq.prompt_ids, seq.output_ids, req.text, True, "abort",
-                             metrics=RequestMetrics.of(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -240,49 +238,97 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Returns an output for every request that got a token."""
-        if not self._speculation_paused():
-            if self.speculator is not None:  # week 17: the same loop, with guesses verified
-                return self.speculator.step()
-        if self.schedule_ahead:  # issue 20: the same loop, one step ahead of the GPU
-            if not self._needs_tokens:
-                return self._step_ahead()
-            if self._in_flight is not None:  # a request that needs every token on the host came in
-                return self.resolve_in_flight()
-        # >>> week05: engine-step
+        """One engine step: schedule a batch, run it, count it, deliver. Returns an output for
+        every request that got a token (with async scheduling: in the step launched before this
+        one, which this one resolves)."""
         start = time.perf_counter()
+        run_async = self.async_scheduling and not self._needs_tokens
+        if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
+            return self.deliver(self.resolve_in_flight())
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if run_async:  # week 12: launch this batch, then resolve the step launched before it
+            done = self.run_step_async(batch)
+        elif batch.seqs:
+            done = batch, self.run_step(batch)
+        else:
             return []
-        logits = self.runner.execute(batch)  # [rows to sample, vocab]
-        seqs = batch.seqs
-        rows = [s for s, n in zip(seqs, batch.num_samples) for _ in range(n)]  # the sequence of each row
+        if batch.seqs:
+            self._count_step(start, batch)
+        return self.deliver(done)
+
+    def run_step(self, batch: Batch) -> list[list[int]]:
+        """Run a scheduled batch: one forward pass, the tokens it samples, handed to the
+        scheduler. Returns each sequence's new tokens. With speculative decoding (week 17) the
+        decodes also run the speculator's guesses, and get the guesses the target accepts."""
+        spec = self.speculator if self._speculating() else None
+        drafts = spec.propose(batch) if spec is not None else None  # the guesses join the batch
+        try:
+            logits = self.runner.execute(batch)  # [rows to sample, vocab]
+        finally:
+            if drafts is not None:  # between steps, token_ids hold real tokens only
+                self.scheduler.remove_drafts(batch, drafts.tokens)
+        tokens = self.sample(logits, batch) if spec is None else spec.verify(logits, batch, drafts)
+        self.scheduler.update(batch, tokens)
+        if spec is not None:
+            spec.after_update(batch, drafts)
+        return tokens
+
+    def sample(self, logits: torch.Tensor, batch: Batch) -> list[list[int]]:
+        """The tokens each sequence of `batch` samples, one list per sequence (empty for those
+        that sample nothing). `logits` has `num_samples[i]` consecutive rows for sequence i, in
+        batch order."""
+        # >>> week05: engine-step
+        rows = [s for s, n in zip(batch.seqs, batch.num_samples) for _ in range(n)]  # the sequence of each row
         flat = self.sampler(logits, [s.seq_id for s in rows], [s.params for s in rows],
                             [s.token_ids for s in rows]).tolist()  # the step's one device->host copy
         tokens, i = [], 0
         for n in batch.num_samples:  # back to one list per sequence
             tokens.append(flat[i : i + n])
             i += n
-        self.scheduler.update(batch, tokens)
-        self.num_steps += 1
-        if self.trace is not None:
-            self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
-                                         [s.seq_id for s in seqs], list(batch.num_new_tokens),
-                                         len(self.scheduler.waiting), self.scheduler.allocator.num_used))
-        return [self._process(seq) for seq, n in zip(seqs, batch.num_samples) if n and self._has_output(seq)]
+        return tokens
         # <<< week05: engine-step
 
-    # -- issue 20: the loop one step ahead of the GPU ---------------------------------------------
+    def _count_step(self, start: float, batch: Batch) -> None:
+        """Count a step that ran (with async scheduling: was launched), and keep its StepRecord
+        when tracing (with async scheduling, its end is when the step before it was resolved)."""
+        self.num_steps += 1
+        if self.trace is not None:
+            self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(), [s.seq_id for s in batch.seqs],
+                                         list(batch.num_new_tokens), len(self.scheduler.waiting),
+                                         self.scheduler.allocator.num_used))
 
-    def _step_ahead(self) -> list[RequestOutput]:
-        """One turn of the loop with the host a step ahead: schedule step N+1 and launch it while
-        the GPU still runs step N, then wait for step N's tokens and deliver them. The GPU never
-        waits for the host between steps; the host's scheduling, staging and output work hide
-        behind the GPU's forward pass. Tokens and outputs are exactly those of `step`: stop
-        checks run one step late, and the token a sequence sampled after its end is dropped."""
-        start = time.perf_counter()
+    def deliver(self, done: tuple[Batch, list[list[int]]] | None) -> list[RequestOutput]:
+        """The outputs of a step whose tokens the host has (`done`: its batch and each sequence's
+        new tokens; None: no step), in batch order. A request that finished leaves the engine."""
+        if done is None:
+            return []
+        outputs = self.output_processor.outputs(*done)
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
+
+    def _speculating(self) -> bool:
+        """Whether this step runs with guesses (week 17). Verification samples with neither the
+        raw logits at hand for logprobs, nor the output tokens for presence and frequency
+        penalties, and its greedy path skips `logit_bias`. So while a request asking for any of
+        these is in the engine, every step is a plain one: no guesses, for anybody. The same while
+        a request with structured output is in: its grammar would have to check every guess (and
+        roll back the rejected)."""
+        return self.speculator is not None and not any(
+            p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty
+            or p.logit_bias or p.grammar is not None for p in (s.params for s in self.sequences.values()))
+
+    # -- async scheduling (week 12): the loop one step ahead of the GPU -------------------------------
+
+    def run_step_async(self, batch: Batch) -> tuple[Batch, list[list[int]]] | None:
+        """Launch `batch` while the GPU still runs the step in flight, then wait for that step's
+        tokens and hand them to the scheduler. Returns the step resolved (as `resolve_in_flight`).
+        The GPU never waits for the host between steps; the host's scheduling, staging and output
+        work hide behind the GPU's forward pass. Tokens and outputs are exactly those of
+        `run_step`: stop checks run one step late, and the token a sequence sampled after its end
+        is dropped."""
         # >>> week12: step-ahead
-        batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
             try:
@@ -290,31 +336,26 @@ class Engine:
             except BaseException:
                 self._in_flight = None  # the step before it is lost too: its requests get aborted
                 raise
-        outputs = self.resolve_in_flight()
+        done = self.resolve_in_flight()
         self._in_flight = launched
+        return done
         # <<< week12: step-ahead
-        if batch.seqs:
-            self.num_steps += 1
-            if self.trace is not None:  # (its end: when the step before it was resolved)
-                self.trace.append(StepRecord(self.num_steps - 1, start, time.perf_counter(),
-                                             [s.seq_id for s in batch.seqs], list(batch.num_new_tokens),
-                                             len(self.scheduler.waiting), self.scheduler.allocator.num_used))
-        return outputs
 
-    def resolve_in_flight(self) -> list[RequestOutput]:
-        """Issue 20: wait for the step in flight (if any), hand its tokens to the scheduler and
-        return its outputs. Afterwards no token is on the GPU that the host has not seen."""
+    def resolve_in_flight(self) -> tuple[Batch, list[list[int]]] | None:
+        """Wait for the step in flight and hand its tokens to the scheduler. Returns it, as its
+        batch and each sequence's new tokens (None: nothing was in flight). Afterwards no token is
+        on the GPU that the host has not seen."""
         if self._in_flight is None:
-            return []
+            return None
         f, self._in_flight = self._in_flight, None
         if f.event is not None:
             f.event.synchronize()
         flat = f.host.tolist()
         tokens = [[flat[f.rows[s.seq_id]]] if s.seq_id in f.rows else [] for s in f.batch.seqs]
         self.scheduler.resolve(f.batch, tokens, f.before)  # stop checks, one step late
-        return [self._process(seq) for seq, t in zip(f.batch.seqs, tokens) if t and self._has_output(seq)]
+        return f.batch, tokens
 
-    def _launch(self, batch) -> "_InFlight":
+    def _launch(self, batch: Batch) -> _InFlight:
         """Run the forward pass and the sampler for `batch` without waiting for either: the
         sampled tokens stay on the device (the next step reads its inputs from there), and a
         copy of them to the host is queued behind them."""
@@ -333,62 +374,6 @@ class Engine:
             event.record()
         before = self.scheduler.launched(batch)
         return _InFlight(batch, tokens, {s.seq_id: i for i, s in enumerate(sampling)}, host, event, before)
-
-    def _speculation_paused(self) -> bool:
-        """Issue 17: verification (week 17) samples with neither the raw logits at hand for
-        logprobs, nor the output tokens for presence and frequency penalties, and its greedy path
-        skips `logit_bias`. So while a request asking for any of these is in the engine, every
-        step is a plain one: no guesses, for anybody. The same while a request with structured
-        output is in: its grammar would have to check every guess (and roll back the rejected)."""
-        return self.speculator is not None and any(
-            p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty
-            or p.logit_bias or p.grammar is not None for p in (s.params for s in self.sequences.values()))
-
-    def _has_output(self, seq: Sequence) -> bool:
-        req = self.requests.get(seq.seq_id)  # None: aborted meanwhile
-        return req is not None and (req.stream or seq.is_finished)
-
-    def _process(self, seq: Sequence) -> RequestOutput:
-        """Build the request's output: its text so far, and the part of it not yet delivered."""
-        req = self.requests[seq.seq_id]
-        if seq.is_finished:
-            if not req.stream:  # offline, no stop strings: decode the whole output once, at the end
-                output = seq.output_ids
-                stopped_by_token = seq.finish_reason == "stop" and output and output[-1] in seq.stop_ids
-                req.text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
-            elif not req.cut:  # a character still held back by the detokenizer, and its stop strings
-                req.text += req.detok.flush()
-                if req.cut_at_stop_string():
-                    seq.finish_reason = "stop"  # even if the same token hit max_tokens
-        # Deliver text that can no longer turn out to be the start of a stop string.
-        end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
-        delta, req.emitted = req.text[req.emitted : max(end, req.emitted)], max(end, req.emitted)
-        logprobs = self._take_logprobs(seq, req)
-        metrics = None
-        if seq.is_finished:
-            del self.requests[seq.seq_id], self.sequences[seq.seq_id]
-            self.sampler.release(seq.seq_id)
-            self._needs_tokens.discard(seq.seq_id)
-            self.runner.prompt_logprobs.pop(seq.seq_id, None)
-            metrics = RequestMetrics.of(seq)
-        return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, req.text,
-                             seq.is_finished, seq.finish_reason, delta, metrics, *logprobs)
-
-    def _take_logprobs(self, seq: Sequence, req: _Request) -> tuple:
-        """Issue 17: (all output logprobs so far, those `delta` delivers, the prompt's) for a
-        request that asked, else Nones. A token goes out with the delta that completes its text
-        (`req.ends`): one whose text is held back (a possible stop string, half a character, a
-        special token with no text) waits for it, and at the end every token goes out, the stop
-        token and any past a stop string included. So the deltas' logprobs add up to `logprobs`."""
-        if seq.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-            req.prompt_logprobs = self.runner.take_prompt_logprobs(seq)  # its prompt has run: it sampled
-        if req.logprobs is None:
-            return None, None, req.prompt_logprobs
-        delivered = len(seq.token_ids) - seq.num_pending - seq.prompt_len  # (not those still on the GPU)
-        req.logprobs += self.sampler.take_logprobs(seq.seq_id, delivered - len(req.logprobs))
-        covered = len(req.logprobs) if seq.is_finished else bisect.bisect_right(req.ends, req.emitted)
-        delta, req.num_delivered = req.logprobs[req.num_delivered : covered], max(covered, req.num_delivered)
-        return list(req.logprobs), delta, req.prompt_logprobs
 
 
 class LLM:
@@ -437,8 +422,5 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
-
-
-# ------------------------------------------------------------------ week 10: the engine thread
 
 

@@ -7,15 +7,18 @@ guesses (k + 1 rows of logits), and `verify` keeps the longest prefix of guesses
 agrees with, plus one token of the target's own. Every step emits at least one token, so nothing
 is lost when the guesses are bad; when they are good, one step emits up to k + 1.
 
-This module holds the pure building blocks, with no model and no engine:
+This module holds the proposers and the engine's hooks:
 
     NgramProposer    "prompt lookup": if the last few tokens appeared earlier, guess that what
                      followed them then follows them again (code, quotes, summaries repeat)
-    verify           the acceptance rule, for a whole batch: greedy rows compare with the
-                     argmax; sampled rows use rejection sampling, so the tokens emitted follow
-                     exactly the distribution the target alone would sample from
     SpecStats        counts proposed / accepted tokens, for the acceptance rate
-    expected_tokens_per_step   what an acceptance rate is worth, in tokens per target step
+    DraftModelProposer   guesses from a smaller model with its own paged cache
+    SpecDecoder      the hooks `Engine.run_step` calls: `propose` (guesses added to the batch),
+                     `verify` (the tokens each sequence appends), `after_update`
+
+The acceptance rule itself, `verify`, is in nanoserve/sampling/rejection.py: greedy rows compare
+with the argmax; sampled rows use rejection sampling, so the tokens emitted follow exactly the
+distribution the target alone would sample from.
 
 The rejection rule (Leviathan et al. 2023, Chen et al. 2023). The target's distribution at a
 position is p, the proposer's is q, and the proposed token x was drawn from q. Accept x with
@@ -27,13 +30,17 @@ is accepted, the row after the last guess gives one more token, drawn from p: th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
+from nanoserve.model.loader import load_model, resolve_model_dir
+from nanoserve.runner.runner import ModelRunner
 from nanoserve.sampling.rejection import verify
-from nanoserve.sampling.sampler import filtered_logits
+from nanoserve.sampling.sampler import Sampler, filtered_logits, make_generator, sample
+from nanoserve.scheduler.blocks import BlockAllocator, blocks_needed
+from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.sequence import Batch, Sequence
 
 
 class NgramProposer:
@@ -145,10 +152,6 @@ class DraftModelProposer:
 
     def __init__(self, model_dir, *, dtype: torch.dtype, device: str, block_size: int, num_blocks: int,
                  max_model_len: int, attention_backend: str, fused_kernels: bool, vocab_size: int):
-        from nanoserve.model.loader import load_model
-        from nanoserve.runner.runner import ModelRunner
-        from nanoserve.scheduler.blocks import BlockAllocator
-
         model = load_model(model_dir, dtype=dtype, device=device)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model's vocabulary has {model.config.vocab_size} tokens, the target's "
@@ -163,10 +166,6 @@ class DraftModelProposer:
     def propose(self, seqs: list, ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Up to ks[i] guesses for seqs[i], and the distributions they were drawn from (None for
         greedy requests, whose guesses are argmaxes)."""
-        from nanoserve.sampling.sampler import make_generator, sample
-        from nanoserve.scheduler.blocks import blocks_needed
-        from nanoserve.scheduler.sequence import Batch, Sequence
-
         shadows, want, owners = [], [], {}
         for seq, k in zip(seqs, ks):
             shadow = self.shadows.get(seq.seq_id)
@@ -213,8 +212,6 @@ class DraftModelProposer:
     def after_step(self, seqs: list, drafts: list[list[int]], live: set[int]) -> None:
         """After verification: each shadow keeps the K/V of the guesses the target accepted and
         takes the target's tokens; shadows of finished or aborted sequences are freed."""
-        from nanoserve.scheduler.blocks import blocks_needed
-
         for seq, draft in zip(seqs, drafts):
             shadow = self.shadows.get(seq.seq_id)
             if shadow is None or not draft:
@@ -242,60 +239,72 @@ class DraftModelProposer:
                 self.allocator.free(block)
 
 
+@dataclass
+class Drafts:
+    """One step's guesses, as scheduled: `tokens[i]` for the batch's sequence i (none for most),
+    and `probs[i]`, the distributions a draft model drew them from (None: greedy, or guessed from
+    tokens alone)."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+
+
 class SpecDecoder:
-    """Speculative decoding inside the engine's loop (week 17): `Engine.step` hands its steps here.
+    """Speculative decoding's hooks in the engine's step (week 17). `Engine.run_step` calls them
+    around week 5's forward pass:
 
         batch   = scheduler.schedule()                      # as always
-        drafts  = proposer(the batch's decodes)             # k guesses each, or none
-        scheduler.add_drafts(batch, drafts)                 # decodes become k + 1 tokens, k + 1 rows
+        drafts  = speculator.propose(batch)                 # k guesses per decode, added to the batch:
+                                                            # decodes become k + 1 tokens, k + 1 rows
         logits  = runner.execute(batch)                     # one target pass over everything
-        tokens  = verify(logits, drafts, ...)               # accepted guesses + one target token
+        tokens  = speculator.verify(logits, batch, drafts)  # accepted guesses + one target token
         scheduler.update(batch, tokens)                     # rejected guesses' K/V rolled back
+        speculator.after_update(batch, drafts)              # the draft model rolls back too
 
     Speculation is switched off for a step whose batch has more than `max_batch` decodes: the
     guesses' extra rows are nearly free only while the step is limited by reading the weights.
     """
 
-    def __init__(self, engine, method: str, num_tokens: int, max_batch: int, draft_model=None, ngram_min: int = 2):
+    def __init__(self, method: str, num_tokens: int, max_batch: int, *, runner: ModelRunner,
+                 scheduler: Scheduler, sampler: Sampler, max_model_len: int, attention_backend: str,
+                 draft_model=None, ngram_min: int = 2):
         if method not in ("ngram", "draft"):
             raise ValueError(f"unknown speculative method {method!r}: choose ngram or draft")
         if num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative decoding with a draft model needs --draft-model")
-        self.engine, self.method, self.k, self.max_batch = engine, method, num_tokens, max_batch
+        self.method, self.k, self.max_batch = method, num_tokens, max_batch
+        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
         # Guesses from tokens alone: anything with `propose_batch(token_lists, ks)` (the benchmark
         # plugs in an oracle here); or from the draft model, with the distributions drawn from.
         self.proposer = NgramProposer(min_n=ngram_min) if method == "ngram" else None
         self.draft = None
         if method == "draft":
-            from nanoserve.model.loader import resolve_model_dir
-            from nanoserve.scheduler.blocks import blocks_needed
-
-            runner = engine.runner
+            block_size = runner.cache.block_size
             self.draft = DraftModelProposer(
                 resolve_model_dir(draft_model), dtype=runner.model.embed_tokens.weight.dtype,
-                device=str(runner.device), block_size=runner.cache.block_size,
-                num_blocks=min(engine.scheduler.allocator.num_blocks,
-                               max_batch * blocks_needed(engine.max_model_len, runner.cache.block_size)),
-                max_model_len=engine.max_model_len, attention_backend=engine.attention_backend,
-                fused_kernels=runner.fused, vocab_size=engine.model.config.vocab_size)
+                device=str(runner.device), block_size=block_size,
+                num_blocks=min(scheduler.allocator.num_blocks, max_batch * blocks_needed(max_model_len, block_size)),
+                max_model_len=max_model_len, attention_backend=attention_backend,
+                fused_kernels=runner.fused, vocab_size=runner.model.config.vocab_size)
         self.stats = SpecStats()
 
-    def propose(self, batch) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Guesses for the batch's decodes (none for prompts, or for a batch too large)."""
+    def propose(self, batch: Batch) -> Drafts:
+        """Guesses for the batch's decodes (none for prompts, or for a batch too large), added to
+        the batch (`Scheduler.add_drafts`, which cuts them to what fits)."""
         decodes = [i for i, (n, m) in enumerate(zip(batch.num_new_tokens, batch.num_samples)) if n == 1 and m == 1]
         drafts: list[list[int]] = [[] for _ in batch.seqs]
         probs: list[torch.Tensor | None] = [None for _ in batch.seqs]
         if not decodes or len(decodes) > self.max_batch:
-            return drafts, probs
+            return Drafts(drafts, probs)
         seqs = [batch.seqs[i] for i in decodes]
         ks = [max(0, min(self.k, s.params.max_tokens - s.num_output_tokens - 1)) for s in seqs]
         if self.draft is None:
             guessed, guessed_probs = self.proposer.propose_batch([s.token_ids for s in seqs], ks), [None] * len(seqs)
         else:
             guessed, guessed_probs = self.draft.propose(seqs, ks)
-        graphs = self.engine.runner.graphs
+        graphs = self.runner.graphs
         if graphs is not None and graphs.verify_sizes and any(guessed):
             # A verification step replays a CUDA graph only if every sequence runs the same number
             # of tokens: fill short guesses up (repeating the last token). A filler guess is a
@@ -304,46 +313,31 @@ class SpecDecoder:
             guessed = [g + [(g or s.token_ids)[-1]] * (k - len(g)) for g, s, k in zip(guessed, seqs, ks)]
         for i, d, p in zip(decodes, guessed, guessed_probs):
             drafts[i], probs[i] = d, p
-        return drafts, probs
+        drafts = self.scheduler.add_drafts(batch, drafts)  # cut to what fits
+        return Drafts(drafts, [None if p is None else p[: len(d)] for p, d in zip(probs, drafts)])
 
-    def verify(self, logits, drafts, seqs, probs) -> list[list[int]]:
-        """The tokens each sampled sequence appends (the benchmark overrides this to force
-        acceptance, for the ceiling)."""
-        penalized = any(s.params.repetition_penalty != 1.0 for s in seqs)
-        return verify(logits, drafts, [s.params for s in seqs],
-                      [self.engine.sampler.generators.get(s.seq_id) for s in seqs],
-                      seen=[s.token_ids for s in seqs] if penalized else None, draft_probs=probs)
-
-    def step(self):
-        """One engine step with speculation: `Engine.step`'s loop, with guesses verified."""
-        e = self.engine
-        start = time.perf_counter()
-        batch = e.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        drafts, probs = self.propose(batch)
-        drafts = e.scheduler.add_drafts(batch, drafts)  # cut to what fits
-        probs = [None if p is None else p[: len(d)] for p, d in zip(probs, drafts)]
-        try:
-            logits = e.runner.execute(batch)  # [sum(num_samples), vocab]
-        finally:
-            e.scheduler.remove_drafts(batch, drafts)
+    def verify(self, logits: torch.Tensor, batch: Batch, drafts: Drafts) -> list[list[int]]:
+        """The tokens each sequence of the batch appends ([] for those that sample nothing):
+        the guesses the target accepts, then one token of its own."""
         sampled = [i for i, m in enumerate(batch.num_samples) if m]
-        seqs = [batch.seqs[i] for i in sampled]
-        out = self.verify(logits, [drafts[i] for i in sampled], seqs, [probs[i] for i in sampled])
-        self.stats.add([drafts[i] for i in sampled if drafts[i]], [o for i, o in zip(sampled, out) if drafts[i]])
+        guesses = [drafts.tokens[i] for i in sampled]
+        out = self.accept(logits, guesses, [batch.seqs[i] for i in sampled], [drafts.probs[i] for i in sampled])
+        self.stats.add([g for g in guesses if g], [o for g, o in zip(guesses, out) if g])
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         for i, o in zip(sampled, out):
             tokens[i] = o
-        e.scheduler.update(batch, tokens)
-        if self.draft is not None:
-            self.draft.after_step(batch.seqs, drafts, live={s.seq_id for s in e.scheduler.running}
-                                  | {s.seq_id for s in e.scheduler.waiting})
-        e.num_steps += 1
-        if e.trace is not None:
-            from nanoserve.engine.engine import StepRecord
+        return tokens
 
-            e.trace.append(StepRecord(e.num_steps - 1, start, time.perf_counter(), [s.seq_id for s in batch.seqs],
-                                      list(batch.num_new_tokens), len(e.scheduler.waiting),
-                                      e.scheduler.allocator.num_used))
-        return [e._process(seq) for seq, n in zip(batch.seqs, batch.num_samples) if n and e._has_output(seq)]
+    def accept(self, logits, drafts, seqs, probs) -> list[list[int]]:
+        """The acceptance rule for the sampled sequences (the benchmark overrides this to force
+        acceptance, for the ceiling)."""
+        penalized = any(s.params.repetition_penalty != 1.0 for s in seqs)
+        return verify(logits, drafts, [s.params for s in seqs], [self.sampler.generators.get(s.seq_id) for s in seqs],
+                      seen=[s.token_ids for s in seqs] if penalized else None, draft_probs=probs)
+
+    def after_update(self, batch: Batch, drafts: Drafts) -> None:
+        """Once the scheduler has the step's tokens: the draft model's shadows take them, and
+        roll back to the guesses the target accepted."""
+        if self.draft is not None:
+            live = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
+            self.draft.after_step(batch.seqs, drafts.tokens, live)

@@ -53,7 +53,7 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> prompt token ids, formatted by the tokenizer's own chat template.
 
-        `tools` (issue 17): OpenAI's list of `{"type": "function", "function": {...}}`, handed to
+        `tools` (tool calling, week 10): OpenAI's list of `{"type": "function", "function": {...}}`, handed to
         the template, which writes them into the prompt its own way (`takes_tools` says whether
         it does). Messages may carry `tool_calls` (arguments as dicts) and role `tool`, in
         HuggingFace's convention."""

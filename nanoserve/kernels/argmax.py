@@ -1,4 +1,4 @@
-"""Issue 20: the greedy token of each row of logits, in two small Triton kernels.
+"""The greedy token of each row of logits, in two small Triton kernels.
 
 `torch.argmax` reduces a row of 128,256 logits with one block of threads: on an H100 that takes
 ~27 µs, where reading the row takes under one (`docs/benchmarks.md`). Here the row is cut into

@@ -13,7 +13,7 @@ a couple of microseconds however little it computes. Fused, a layer becomes:
     o_proj          matrix product
     add_rmsnorm
     gate_up_proj    matrix product
-    silu_mul        silu(gate) * up                                 (1 instead of 2; issue 20: at
+    silu_mul        silu(gate) * up                                 (1 instead of 2; at
                     batch 1 fused into the gate_up product itself, `gate_up_silu`)
     down_proj       matrix product
 
@@ -132,7 +132,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gate_up_silu_kernel(X, W, Y, stride_w, inter, k_dim, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Issue 20, one row: each program reads BLOCK_N rows of the gate half of W and the matching rows
+    # One row: each program reads BLOCK_N rows of the gate half of W and the matching rows
     # of the up half, so it holds both products of its outputs and applies SiLU·mul before storing.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < inter

@@ -4,7 +4,6 @@ A GGUF file holds, in order: a header (magic "GGUF", version, counts), key-value
 architecture's hyperparameters, the tokenizer's vocabulary and merges, the chat template), one
 info record per tensor (name, shape, type, offset), padding to the alignment, then the tensor
 data. We parse it with the `gguf` package (llama.cpp's own reader) and do the rest ourselves:
-
     GGUF file ──> config.json        (from the metadata)
               ──> model.safetensors  (dequantized to float32, HF names, Q/K rows un-permuted)
               ──> tokenizer files    (transformers builds a fast tokenizer from the metadata)
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from nanoserve.model.config import CheckpointError, ConfigError, RopeScaling
+from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant import FORMATS, check_supported, dequantize
 
 SMOLLM2 = "smollm2"
@@ -213,7 +213,6 @@ def _llama3_rope_from_factors(factors: torch.Tensor, theta: float, head_dim: int
     pair) instead of its parameters. Recover them: the largest divisor is `factor`, and every
     Llama 3.x model uses low 1, high 4, original context 8192; check that this reproduces the
     tensor rather than trusting it."""
-    from nanoserve.model.layers import rope_inv_freq
 
     factor = float(factors.max())
     scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,

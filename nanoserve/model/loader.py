@@ -19,6 +19,7 @@ from safetensors import safe_open
 from nanoserve.model.config import CheckpointError, ModelConfig
 from nanoserve.model.gguf import gguf_checkpoint_dir, smollm2_path
 from nanoserve.model.llama import Llama
+from nanoserve.model.tiny import tiny_model_dir
 
 TINY_MODEL = "tiny"  # the name of the small bundled model that needs no download
 MODEL_NAMES_HELP = ("checkpoint directory, .gguf file, hub id (e.g. meta-llama/Llama-3.2-1B), "
@@ -40,8 +41,6 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     """
     text = str(model)
     if text == TINY_MODEL:
-        from nanoserve.model.tiny import tiny_model_dir
-
         return tiny_model_dir()
     path = Path(text).expanduser()
     if text == "smollm2" or path.suffix == ".gguf":

@@ -55,7 +55,7 @@ MIXED_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # week 15: tokens in 
 
 
 def feed_last_tokens(ids: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:
-    """Issue 20: where `source` names a row of `last` (the previous step's sampled tokens, still on
+    """Async scheduling: where `source` names a row of `last` (the previous step's sampled tokens, still on
     the device), that token is the input; elsewhere (-1) `ids` keeps the host's token. In place,
     with no wait for the GPU: the host never needs to see the token."""
     taken = last.index_select(0, source.clamp(min=0))
@@ -84,7 +84,8 @@ class CUDAGraphDecoder:
         self.max_blocks = blocks_needed(max_model_len, cache.block_size)
         self.scratch_slot = scratch_block * cache.block_size
         # Device buffers at fixed addresses, read by the graphs. inputs: ids, positions, slots, context lengths,
-        # and (issue 20, not read by the graphs) the row of the last step's tokens that is each row's input, or -1.
+        # and (async scheduling, not read by the graphs) the row of the last step's tokens that is each row's
+        # input, or -1.
         self.inputs = torch.zeros(5, n, dtype=torch.long, device=device)
         self.inputs[2] = self.scratch_slot
         self.inputs[3] = 1
@@ -126,7 +127,7 @@ class CUDAGraphDecoder:
             self.host_mstarts = self.mstarts.cpu().pin_memory() if pin else self.mstarts.clone()
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_logits: dict[int, torch.Tensor] = {}
-        # Issue 20: when the host runs a step ahead, it may refill the pinned mirrors before the GPU
+        # Async scheduling: when the host runs a step ahead, it may refill the pinned mirrors before the GPU
         # has copied the last step's values out of them; this event marks those copies done.
         self.copied = torch.cuda.Event() if self.capture else None
         if self.capture:
@@ -190,7 +191,7 @@ class CUDAGraphDecoder:
     def stage(self, step: StepInput) -> int:
         """Copy one decode step's inputs into the static buffers; returns the padded batch size."""
         self.wait_for_copies()
-        source = self.host_inputs.numpy()[4]  # issue 20: which inputs come from the last step's tokens
+        source = self.host_inputs.numpy()[4]  # async scheduling: which inputs come from the last step's tokens
         source[:] = -1
         for row, last_row in step.from_last:
             source[row] = last_row
@@ -293,7 +294,7 @@ class CUDAGraphDecoder:
         host[1, :t] = step.positions + list(range(spare))
         host[2, :t] = step.slot_mapping + [self.scratch_slot] * spare
         host[3, :t] = -1
-        for row, last_row in step.from_last:  # issue 20
+        for row, last_row in step.from_last:  # async scheduling
             host[3, row] = last_row
         per_seq = self.host_mseqs.numpy()
         per_seq[0] = step.context_lens + [max(spare, 1)] + [1] * (seqs - n - 1)
@@ -306,7 +307,7 @@ class CUDAGraphDecoder:
         self.copies_sent()
 
     def wait_for_copies(self) -> None:
-        """Issue 20: before the pinned mirrors are refilled, the last step's copies out of them
+        """Async scheduling: before the pinned mirrors are refilled, the last step's copies out of them
         must have run (they follow the step before it on the GPU, so this rarely waits)."""
         if self.copied is not None:
             self.copied.synchronize()
@@ -319,7 +320,7 @@ class CUDAGraphDecoder:
     def run_mixed(self, step: StepInput, t: int, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One mixed step -> logits of its sampled rows [len(step.sample_rows), vocab]."""
         self.stage_mixed(step, t)
-        if step.from_last:  # issue 20: inputs the host has not seen, from the last step's tokens
+        if step.from_last:  # async scheduling: inputs the host has not seen, from the last step's tokens
             feed_last_tokens(self.minputs[0, :t], self.minputs[3, :t], last_tokens)
         rows = len(step.sample_rows)
         if not self.capture:
@@ -332,7 +333,7 @@ class CUDAGraphDecoder:
         """One decode step (one new token per sequence) -> logits [n, vocab]."""
         bs = self.stage(step)
         self.copies_sent()
-        if step.from_last:  # issue 20: inputs the host has not seen, from the last step's tokens
+        if step.from_last:  # async scheduling: inputs the host has not seen, from the last step's tokens
             k = len(step.from_last)
             if all(row == source == i for i, (row, source) in enumerate(step.from_last)):
                 self.inputs[0, :k].copy_(last_tokens[:k])  # the same sequences in the same order: one copy

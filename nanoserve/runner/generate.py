@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.attention.base import PrefillContext
+from nanoserve.attention.naive import NaiveCacheContext, NaiveKVCache
 from nanoserve.model.llama import Llama
 
 
@@ -42,7 +43,6 @@ def greedy_generate_naive_cache(model: Llama, prompts: list[list[int]], max_new_
     One prefill step runs every prompt (packed); then each decode step feeds one token per
     sequence, and attention reads the past from the cache instead of recomputing it.
     """
-    from nanoserve.attention.naive import NaiveCacheContext, NaiveKVCache
 
     cfg, device = model.config, model.embed_tokens.weight.device
     max_len = max(len(p) for p in prompts) + max_new_tokens

@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model
         self.device = model.embed_tokens.weight.device
         self.workers = None  # week 18, on the driver: the other ranks (nanoserve.engine.distributed.Workers)
-        self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # issue 17: seq_id -> position -> logprob
+        self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # prompt logprobs: seq_id -> position -> logprob
         cfg = model.config
         # Week 12: CUDA graphs need one block beyond the pool the scheduler hands out: the
         # padding rows of a padded batch write their K/V there.
@@ -125,7 +125,7 @@ class ModelRunner:
     def execute(self, batch: Batch, last: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
         """One forward pass -> logits [sum(batch.num_samples), vocab] (float32), in batch order.
 
-        `last` (issue 20, scheduling ahead): the previous step's sampled tokens, still on the
+        `last` (async scheduling): the previous step's sampled tokens, still on the
         device, and the row of each sequence's token among them. A sequence whose newest token
         is a placeholder (`PENDING`) takes it from there."""
         step = self.step_input(batch)
@@ -138,7 +138,7 @@ class ModelRunner:
                     assert step.input_ids[row] == PENDING, "only a decode's last input can be on the GPU"
                     step.input_ids[row] = 0
                     step.from_last.append((row, rows[seq.seq_id]))
-        prompt_rows = self.prompt_rows(batch, step)  # issue 17: rows whose logits are kept, in eager steps only
+        prompt_rows = self.prompt_rows(batch, step)  # prompt logprobs: rows whose logits are kept, in eager steps only
         if self.workers is not None:  # week 18: every rank runs the same step
             return self.workers.run_step(self.run, step, prompt_rows)
         return self.run(step, prompt_rows, last_tokens)
@@ -156,7 +156,7 @@ class ModelRunner:
         if t is not None:
             return self.graphs.run_mixed(step, t, last_tokens)  # week 15: a mixed step, one replay
         input_ids, positions, ctx = self.prepare(step)
-        if step.from_last:  # issue 20
+        if step.from_last:  # async scheduling
             source = torch.full_like(input_ids, -1)
             source[[d for d, _ in step.from_last]] = torch.tensor([s for _, s in step.from_last], device=self.device)
             feed_last_tokens(input_ids, source, last_tokens)
@@ -166,7 +166,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def prompt_rows(self, batch: Batch, step: StepInput) -> list[tuple[int, int, int, int, int]]:
-        """Issue 17: a request with `prompt_logprobs` (the server's `echo` with `logprobs`) wants the
+        """Prompt logprobs: a request with `prompt_logprobs` (the server's `echo` with `logprobs`) wants the
         logits of every prompt position, not only of the last: row p gives the logprob of prompt
         token p + 1. This step's such rows, as (row, sequence id, position of the token scored, its
         id, alternatives wanted). A prompt run in chunks (week 15) has some in every chunk; one

@@ -18,7 +18,7 @@ class StepInput:
     block_tables: list[list[int]]
     table_ids: list[tuple[int, int]]  # per sequence: equal ids mean the table only grew since
     sample_rows: list[int]
-    # Issue 20: (row of input_ids, row of the previous step's sampled tokens) for each input token
+    # Async scheduling: (row of input_ids, row of the previous step's sampled tokens) for each input token
     # the host has not seen yet: it is read on the device, from the tokens the last step sampled.
     from_last: list[tuple[int, int]] = field(default_factory=list)
 

@@ -1,4 +1,4 @@
-"""Issue 17: structured output, by grammar-constrained decoding.
+"""Structured output (week 10), by grammar-constrained decoding.
 
 A request with `response_format` `{"type": "json_object"}` or `{"type": "json_schema", ...}` must
 produce text that parses (and validates against the schema). No model guarantees that by

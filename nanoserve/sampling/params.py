@@ -24,7 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (besides EOS)
     ignore_eos: bool = False  # keep going past EOS (benchmarks want fixed output lengths)
     seed: int | None = None  # a private generator for this request: reproducible draws
-    # The wider OpenAI surface (issue 17; see nanoserve/sampling/sampler.py for the order they apply in):
+    # The wider OpenAI surface (week 10; see nanoserve/sampling/sampler.py for the order they apply in):
     presence_penalty: float = 0.0  # subtracted from every token already generated (output only)
     frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
@@ -55,7 +55,7 @@ class SamplingParams:
         self._check_openai_fields()
 
     def _check_openai_fields(self) -> None:
-        """Issue 17's fields. (The server checks OpenAI's ranges, [-2, 2] and [-100, 100]; the
+        """The wider OpenAI surface's fields. (The server checks OpenAI's ranges, [-2, 2] and [-100, 100]; the
         engine only refuses what it cannot compute with.)"""
         self.logit_bias = dict(self.logit_bias)
         for name in ("presence_penalty", "frequency_penalty"):

@@ -9,7 +9,7 @@ with the per-row settings as columns of tensors, in the order HuggingFace applie
 Temperature 0 means greedy. A request with a `seed` draws from its own random generator, so it
 gets the same tokens on every run, whatever else shares its batch.
 
-The wider OpenAI surface (issue 17) adds two edits in front of that chain, both additive (so
+The wider OpenAI surface (week 10) adds two edits in front of that chain, both additive (so
 their order does not matter): `logit_bias` (added to the listed tokens' logits, as HF's
 `SequenceBiasLogitsProcessor` does before its repetition penalty) and OpenAI's presence and
 frequency penalties (over the tokens the request generated, not its prompt):
@@ -19,7 +19,7 @@ frequency penalties (over the tokens the request generated, not its prompt):
 Logprobs, when a request asks for them, are read before all of it: `log_softmax` of the raw
 float32 logits, the model's own distribution whatever the request's sampling settings.
 
-Structured output (issue 17, `nanoserve/sampling/grammar.py`) goes first of all: a constrained row's
+Structured output (week 10, `nanoserve/sampling/grammar.py`) goes first of all: a constrained row's
 logits are -inf for every token its grammar does not allow next, so no later edit can bring one
 back (they all keep -inf at -inf) and the draw never picks one.
 """
@@ -40,7 +40,7 @@ from nanoserve.sampling.params import SEED_MAX, SEED_MIN, SamplingParams  # noqa
 
 @dataclass
 class TokenLogprob:
-    """One position's log-probabilities (issue 17): the token there, its logprob, and the most
+    """One position's log-probabilities (logprobs, week 10): the token there, its logprob, and the most
     likely tokens at that position with theirs, most likely first. Plain host data. (The first
     token of a prompt has logprob None and no alternatives: nothing predicts it.)"""
 
@@ -192,7 +192,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 class Sampler:
     """The engine's sampler: `sample` for a batch, plus what it keeps per sequence (here, with the
     tensors, so that the scheduler's sequences hold none): each seeded request's private
-    generator, and (issue 17) where the output of a sequence with presence or frequency penalties
+    generator, and (the OpenAI fields) where the output of a sequence with presence or frequency penalties
     starts, and the logprobs of the tokens it sampled for the sequences that ask, until the
     engine takes them (`take_logprobs`); and the grammar constraint of a request asking for
     structured output, whose mask it applies before drawing (the sequence's stop check feeds
@@ -224,7 +224,7 @@ class Sampler:
 
     def take_logprobs(self, seq_id: int, limit: int | None = None) -> list[TokenLogprob]:
         """The logprobs of the tokens sampled for `seq_id` since the last call, in order; at most
-        `limit` of them (issue 20: the host may be a step behind the sampler, so the newest can
+        `limit` of them (async scheduling: the host may be a step behind the sampler, so the newest can
         belong to a token it has not delivered yet)."""
         found = self.logprobs.get(seq_id, [])
         if limit is None or limit >= len(found):
@@ -243,14 +243,14 @@ class Sampler:
         if constrained:  # structured output: only what the grammar allows next
             packed = token_bitmasks([self.constraints[seq_ids[j]] for j in constrained], logits.shape[1])
             masked = apply_token_bitmasks(logits, constrained, packed)
-        if logits.is_cuda and all(p.greedy for p in params):  # issue 20: the argmax in two small kernels
+        if logits.is_cuda and all(p.greedy for p in params):  # async scheduling: the argmax in two small kernels
             from nanoserve.kernels.argmax import argmax
 
             tokens = argmax(filtered_logits(masked, params, seen, generated))
         else:
             tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if asking:  # issue 17: from the raw logits, before any bias, penalty or temperature
+        if asking:  # logprobs: from the raw logits, before any bias, penalty or temperature
             rows = torch.tensor(asking, device=logits.device)
             found = token_logprobs(logits[rows], tokens[rows], [params[i].logprobs for i in asking])
             for i, entry in zip(asking, found):

@@ -1,4 +1,4 @@
-"""Who runs this step: sequences, their state, and the scheduling policy.
+"""Who runs this step: sequences, their state, and the batching policy.
 
 The scheduler owns the bookkeeping of the KV block pool (which sequence holds which blocks) and
 decides, every step, which sequences run and how many of their tokens go through the model. It
@@ -19,13 +19,13 @@ from nanoserve.scheduler.blocks import BlockAllocator, OutOfBlocks, blocks_neede
 from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, block_hash
 from nanoserve.scheduler.sequence import PENDING, Batch, Sequence, SequenceStatus
 
-POLICIES = ("admit-all", "static", "continuous")
+BATCHING = ("admit-all", "static", "continuous")
 
 
 class Scheduler:
     """Keeps the waiting queue and the running set, and decides each step's batch.
 
-    policy:
+    batching:
       "admit-all"   week 5: prefill every waiting request that fits, then decode; no limits
                     beyond memory, and running out of blocks mid-decode is an error.
       "static"      week 7: admit a batch (up to max_num_seqs, all prefilled in one step) only
@@ -49,20 +49,20 @@ class Scheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
-                 policy: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
+                 batching: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
                  chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if batching not in BATCHING:
+            raise ValueError(f"unknown batching {batching!r}: choose one of {', '.join(BATCHING)}")
         if scheduling not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling order {scheduling!r}: choose fcfs or priority")
         asked = [name for name, on in (("prefix caching", prefix_caching), ("chunked prefill", chunked_prefill),
                                        ("priority scheduling", scheduling == "priority")) if on]
-        if asked and policy != "continuous":
-            raise ValueError(f"{' and '.join(asked)} work with the continuous policy only, not {policy!r}")
-        self.by_priority = scheduling == "priority" and policy == "continuous"
+        if asked and batching != "continuous":
+            raise ValueError(f"{' and '.join(asked)} work with continuous batching only, not {batching!r}")
+        self.by_priority = scheduling == "priority" and batching == "continuous"
         self.aging_steps = aging_steps
-        self.prefix_caching = prefix_caching and policy == "continuous"
-        self.chunked_prefill = chunked_prefill and policy == "continuous"
+        self.prefix_caching = prefix_caching and batching == "continuous"
+        self.chunked_prefill = chunked_prefill and batching == "continuous"
         if self.prefix_caching:
             self.allocator: BlockAllocator = PrefixCachingAllocator(num_blocks)
         else:
@@ -71,11 +71,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
-        self.preemption = preemption and policy == "continuous"
+        self.batching = batching
+        self.preemption = preemption and batching == "continuous"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
-        self.ending: list[Sequence] = []  # issue 20: their last token is on the GPU; never scheduled again
+        self.ending: list[Sequence] = []  # async scheduling: their last token is on the GPU; never scheduled again
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
@@ -101,7 +101,7 @@ class Scheduler:
             return
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self._free_blocks(seq)
-        if seq.num_pending:  # issue 20: tokens sampled after its end are never delivered
+        if seq.num_pending:  # async scheduling: tokens sampled after its end are never delivered
             del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
             seq.num_pending = 0
         if seq in self.running:
@@ -140,9 +140,9 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.by_priority:
             self._order_by_priority()
-        if self.policy == "admit-all":
+        if self.batching == "admit-all":
             batch = self._schedule_admit_all()
-        elif self.policy == "static":
+        elif self.batching == "static":
             batch = self._schedule_static()
         elif self.chunked_prefill:
             batch = self._schedule_chunked()
@@ -168,8 +168,8 @@ class Scheduler:
                 self._grow_to(seq, seq.num_tokens)
             except OutOfBlocks:
                 raise OutOfBlocks(
-                    "the KV pool is full and this policy cannot preempt: use the 'continuous' "
-                    "policy with preemption, more blocks, or fewer concurrent requests"
+                    "the KV pool is full and this batching cannot preempt: use continuous batching "
+                    "(--batching continuous) with preemption, more blocks, or fewer concurrent requests"
                 ) from None
         return Batch(list(self.running), [1] * len(self.running))
         # <<< week05: schedule
@@ -242,7 +242,7 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Hand a waiting sequence the cached blocks of its longest cached prefix, and count them
         as computed. Never the whole sequence: its last token must run to give logits. Nor any of
-        it when the request wants its prompt's logprobs (issue 17): a cached block has no logits."""
+        it when the request wants its prompt's logprobs (week 10): a cached block has no logits."""
         if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return
         # >>> week14: reuse-prefix
@@ -387,7 +387,7 @@ class Scheduler:
             return "length"
         return None
 
-    # -- issue 20: scheduling one step ahead of the GPU --------------------------------------------
+    # -- async scheduling (week 12): one step ahead of the GPU ---------------------------------------
 
     def launched(self, batch: Batch) -> list[tuple[int, int]]:
         """The batch is on its way to the GPU and the host will schedule the next step before its

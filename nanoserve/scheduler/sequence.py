@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done: blocks returned
 
 
-PENDING = -1  # issue 20: the place of a token sampled on the GPU that the host has not seen yet
+PENDING = -1  # async scheduling: the place of a token sampled on the GPU that the host has not seen yet
 
 
 class StopChecker(Protocol):
@@ -58,7 +58,7 @@ class Sequence:
     first_scheduled_time: float | None = None  # when it first got KV blocks (its queue time ends)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
-    num_pending: int = 0  # issue 20: trailing placeholders (PENDING) for tokens still on the GPU
+    num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -49,7 +49,7 @@ class SimConfig:
     prompt_len: tuple[int, int] = (50, 200)  # uniform, inclusive
     output_len: tuple[int, int] = (20, 100)
     num_requests: int = 500
-    policy: str = "continuous"  # or "static"
+    batching: str = "continuous"  # or "static"
     max_num_batched_tokens: int = 1 << 30  # the scheduler's token budget per step (default: none)
     chunked_prefill: bool = False  # week 15: decodes first, prompts cut to fit the budget
     block_size: int = 16
@@ -133,7 +133,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     num_blocks = cfg.num_blocks or cfg.max_running * blocks_needed(longest, cfg.block_size)
     scheduler = Scheduler(num_blocks, cfg.block_size, max_num_seqs=cfg.max_running,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=longest,
-                          policy=cfg.policy, chunked_prefill=cfg.chunked_prefill)
+                          batching=cfg.batching, chunked_prefill=cfg.chunked_prefill)
     result = SimResult(arrivals)
     request_of: dict[int, SimRequest] = {}
     now, next_arrival, done = 0.0, 0, 0

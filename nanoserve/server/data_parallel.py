@@ -114,82 +114,96 @@ def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) ->
     app.state.router = router
     count = count or (lambda text: max(1, len(text) // 4))
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                       "code": None}}, status_code=status)
-
-    async def forward(request: Request, path: str):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-            tokens = estimate_tokens(body, count) if isinstance(body, dict) else 1
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            tokens = 1  # the replica answers the 400
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        while True:
-            try:
-                replica = router.pick(tokens)
-            except LookupError:
-                return error(503, "no replica is healthy (see /health)")
-            upstream = client.build_request("POST", replica.url + path, content=raw, headers=headers)
-            try:
-                response = await client.send(upstream, stream=True)
-                break
-            except httpx.TransportError as e:  # the replica is gone: take it out, try another
-                router.done(replica, tokens)
-                replica.healthy, replica.error = False, f"{type(e).__name__}: {e}"
-
-        async def relay():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finally:
-                await response.aclose()
-                router.done(replica, tokens)
-
-        passed = {k: v for k, v in response.headers.items()
-                  if k.lower() in ("content-type", "cache-control", "retry-after", "x-accel-buffering")}
-        passed["x-nanoserve-replica"] = str(router.replicas.index(replica))
-        return StreamingResponse(relay(), status_code=response.status_code, headers=passed)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await forward(request, "/v1/completions")
+        return await forward(client, router, count, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await forward(request, "/v1/chat/completions")
+        return await forward(client, router, count, request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        for replica in router.replicas:
-            if replica.healthy:
-                try:
-                    r = await client.get(replica.url + "/v1/models", headers=headers)
-                    return Response(r.content, status_code=r.status_code, media_type="application/json")
-                except httpx.TransportError:
-                    continue
-        return error(503, "no replica is healthy (see /health)")
+        return await first_healthy_models(client, router, request)
 
     @app.get("/health")
     async def health():
-        """Every replica's own /health, and the front's counts. 200 while one replica is up."""
-        states = []
-        for i, replica in enumerate(router.replicas):
-            try:
-                r = await client.get(replica.url + "/health", timeout=5.0)
-                replica.healthy, replica.error = r.status_code == 200, None if r.status_code == 200 else r.text
-            except httpx.TransportError as e:
-                replica.healthy, replica.error = False, f"{type(e).__name__}: {e}"
-            states.append(dict(replica=i, url=replica.url, healthy=replica.healthy, error=replica.error,
-                               outstanding_tokens=replica.outstanding, in_flight=replica.in_flight,
-                               requests_sent=replica.sent))
-        up = sum(s["healthy"] for s in states)
-        body = {"status": "ok" if up == len(states) else "degraded" if up else "failed", "replicas": states}
-        return JSONResponse(body, status_code=200 if up else 503)
+        return await health_report(client, router)
 
     return app
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                   "code": None}}, status_code=status)
+
+
+async def forward(client: httpx.AsyncClient, router: Router, count, request: Request, path: str):
+    """Send the request to the replica `router` picks (its cost in tokens measured by
+    `count(text)`), and stream the answer back as it comes. A replica that cannot be reached is
+    marked unhealthy, and the next one is tried."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+        tokens = estimate_tokens(body, count) if isinstance(body, dict) else 1
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        tokens = 1  # the replica answers the 400
+    headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+    while True:
+        try:
+            replica = router.pick(tokens)
+        except LookupError:
+            return error_response(503, "no replica is healthy (see /health)")
+        upstream = client.build_request("POST", replica.url + path, content=raw, headers=headers)
+        try:
+            response = await client.send(upstream, stream=True)
+            break
+        except httpx.TransportError as e:  # the replica is gone: take it out, try another
+            router.done(replica, tokens)
+            replica.healthy, replica.error = False, f"{type(e).__name__}: {e}"
+
+    async def relay():
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+            router.done(replica, tokens)
+
+    passed = {k: v for k, v in response.headers.items()
+              if k.lower() in ("content-type", "cache-control", "retry-after", "x-accel-buffering")}
+    passed["x-nanoserve-replica"] = str(router.replicas.index(replica))
+    return StreamingResponse(relay(), status_code=response.status_code, headers=passed)
+
+
+async def first_healthy_models(client: httpx.AsyncClient, router: Router, request: Request):
+    """`GET /v1/models`, as the first healthy replica answers it."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    for replica in router.replicas:
+        if replica.healthy:
+            try:
+                r = await client.get(replica.url + "/v1/models", headers=headers)
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+            except httpx.TransportError:
+                continue
+    return error_response(503, "no replica is healthy (see /health)")
+
+
+async def health_report(client: httpx.AsyncClient, router: Router) -> JSONResponse:
+    """Every replica's own /health, and the front's counts. 200 while one replica is up."""
+    states = []
+    for i, replica in enumerate(router.replicas):
+        try:
+            r = await client.get(replica.url + "/health", timeout=5.0)
+            replica.healthy, replica.error = r.status_code == 200, None if r.status_code == 200 else r.text
+        except httpx.TransportError as e:
+            replica.healthy, replica.error = False, f"{type(e).__name__}: {e}"
+        states.append(dict(replica=i, url=replica.url, healthy=replica.healthy, error=replica.error,
+                           outstanding_tokens=replica.outstanding, in_flight=replica.in_flight,
+                           requests_sent=replica.sent))
+    up = sum(s["healthy"] for s in states)
+    body = {"status": "ok" if up == len(states) else "degraded" if up else "failed", "replicas": states}
+    return JSONResponse(body, status_code=200 if up else 503)
 
 
 # ------------------------------------------------------------------------------ the processes

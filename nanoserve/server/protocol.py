@@ -32,7 +32,7 @@ NOT_SUPPORTED = {  # OpenAI's fields this server refuses, and why
     "prompt_cache_retention": "the prefix cache is automatic and has no options",
 }
 
-MESSAGE_FIELDS = {  # the keys a message of each role may have (issue 17: tool calls and their results)
+MESSAGE_FIELDS = {  # the keys a message of each role may have (tool calls and their results)
     "system": {"role", "content"}, "user": {"role", "content"},
     "assistant": {"role", "content", "tool_calls"}, "tool": {"role", "content", "tool_call_id"},
 }
@@ -110,8 +110,8 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
 
 
 def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: int) -> tuple[SamplingParams, int, bool]:
-    """The fields of issue 17 (the wider OpenAI surface), on top of `sampling_params_from`:
-    presence and frequency penalties, `logit_bias`, logprobs and `response_format` (as a grammar:
+    """The wider OpenAI surface, on top of `sampling_params_from`: presence and frequency
+    penalties, `logit_bias`, logprobs and `response_format` (as a grammar:
     nanoserve/sampling/grammar.py) go into the params; returns
     (params, n: choices per prompt, echo: completions repeat the prompt in front of the text)."""
     penalties = {name: float(_get(body, name, (int, float), 0.0, lambda v: -2 <= v <= 2, "must be in [-2, 2]"))
@@ -185,6 +185,34 @@ def check_fields(body: dict, chat: bool) -> None:
                                     "booleans, are)", param=f"stream_options.{key}")
 
 
+def check_model(body: dict, model_name: str) -> None:
+    """400 without a string `model`; 404 for a model other than the one this server serves."""
+    model = _get(body, "model", (str,))
+    if model is None:
+        raise APIError(400, "'model' is required", param="model")
+    if model != model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+                       param="model", code="model_not_found")
+
+
+def stream_fields(body: dict) -> tuple[bool, bool]:
+    """(stream: whether the answer comes as server-sent events, include_usage: whether the stream
+    ends with a usage chunk)."""
+    stream = _get(body, "stream", (bool,), False)
+    include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    return stream, include_usage
+
+
+def request_priority(body: dict, scheduling_policy: str) -> int:
+    """The request's `priority` (week 16; lower runs first), which only a server that schedules
+    by priority takes."""
+    priority = _get(body, "priority", (int,), 0)
+    if priority != 0 and scheduling_policy != "priority":
+        raise APIError(400, "'priority' needs a server started with --scheduling-policy priority "
+                            f"(this one schedules by {scheduling_policy})", param="priority")
+    return priority
+
+
 def message_text(content: str | list, index: int) -> str:
     """A message's `content`: a string, or a list of text parts joined in order by newlines."""
     if isinstance(content, str):
@@ -205,7 +233,7 @@ def message_text(content: str | list, index: int) -> str:
 
 def template_messages(messages: Any, takes_tools: bool) -> list[dict]:
     """The request's `messages`, checked, as the chat template gets them: each `content` one
-    string; an assistant's `tool_calls` and a tool message's `tool_call_id` (issue 17) in
+    string; an assistant's `tool_calls` and a tool message's `tool_call_id` (tool calling) in
     HuggingFace's convention. `takes_tools`: whether the template can write tool messages."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")

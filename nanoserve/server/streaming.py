@@ -1,9 +1,16 @@
-"""What goes back out: logprob objects, the token strings behind them, usage."""
+"""What goes back out: the body of a plain response (`chat_completion`, `text_completion`), the
+server-sent events of a streamed one (`sse_events`, week 11), the logprob objects and token
+strings inside both, and the usage counts."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.sampling.sampler import TokenLogprob
+from nanoserve.server.tools import ToolUse
 
 
 class TokenStrings:
@@ -90,6 +97,147 @@ class StreamLogprobs:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object, at the end of a plain body or in a stream's usage chunk."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
+
+# ------------------------------------------------------------------------------ plain responses
+
+
+def chat_completion(meta: dict, lasts: list[RequestOutput], tools: ToolUse | None, strings: TokenStrings,
+                    prompt_tokens: int) -> dict:
+    """The body of a plain chat response, from each choice's last output. With tools, an answer
+    may be tool calls (nanoserve/server/tools.py)."""
+    answers = [tools.message(last.text, last.finish_reason) if tools else
+               ({"role": "assistant", "content": last.text}, last.finish_reason) for last in lasts]
+    choices = [{"index": k, "message": message,
+                "logprobs": None if last.logprobs is None else chat_logprobs(last.logprobs, strings),
+                "finish_reason": reason} for k, (last, (message, reason)) in enumerate(zip(lasts, answers))]
+    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
+    return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+def text_completion(meta: dict, lasts: list[RequestOutput], n: int, echo: list[str] | None, strings: TokenStrings,
+                    prompt_tokens: int) -> dict:
+    """The body of a plain completions response, from each choice's last output: choice k is the
+    (k % n)-th of prompt k // n. `echo`: the prompts' texts, to put in front of their choices
+    (with the prompt's logprobs, which its first choice has, when asked)."""
+    choices = []
+    for k, last in enumerate(lasts):
+        entries = last.logprobs
+        if echo is not None and entries is not None:
+            entries = lasts[k - k % n].prompt_logprobs + entries
+        choices.append({"index": k, "text": (echo[k // n] if echo is not None else "") + last.text,
+                        "logprobs": None if entries is None else completion_logprobs(entries, strings)[0],
+                        "finish_reason": last.finish_reason})
+    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
+    return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
+
+
+# ---------------------------------------------------------------------- streamed responses (SSE)
+
+
+async def merged_outputs(streams: list, firsts: list[RequestOutput]):
+    """`(index, output)` pairs from several engine generators, as they arrive.
+
+    `firsts[i]` is the output `respond` already took from `streams[i]`; those come first, in order.
+    Outputs that arrive together come in index order. However this generator ends, every request
+    still running is aborted.
+    """
+    pending: dict[asyncio.Future, int] = {}  # the next output of each unfinished stream
+    try:
+        for i, out in enumerate(firsts):
+            yield i, out
+            if not out.finished:
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i, out = pending.pop(task), task.result()  # re-raises what the engine reported
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        running = {i for task, i in pending.items() if not task.done()}
+        for task in pending:  # cancelling a running `anext` aborts that request
+            task.cancel()
+        for i, outputs in enumerate(streams):
+            if i not in running:  # a generator inside a running `anext` cannot be closed
+                await outputs.aclose()
+
+
+async def with_echo(outputs, texts: list[str], prompt_logprobs: list[list[TokenLogprob] | None]):
+    """Completions' `echo` in a stream: choice k's prompt text (and, when asked, its logprobs) in
+    front of its first output's delta. (An empty prompt text waits for an output that is
+    delivered: one with text, or the last.)"""
+    waiting = dict(enumerate(zip(texts, prompt_logprobs)))  # choice index -> what it has not sent yet
+    try:
+        async for index, out in outputs:
+            if index in waiting and (waiting[index][0] or out.delta or out.finished):
+                text, logprobs = waiting.pop(index)
+                delta_logprobs = out.delta_logprobs if logprobs is None else logprobs + out.delta_logprobs
+                out = dataclasses.replace(out, delta=text + out.delta, delta_logprobs=delta_logprobs)
+            yield index, out
+    finally:
+        await outputs.aclose()
+
+
+def no_logprobs(index: int, out: RequestOutput) -> None:
+    return None
+
+
+def no_tool_calls(index: int, out: RequestOutput) -> None:
+    return None
+
+
+async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int,
+                     logprobs=no_logprobs, tool_calls=no_tool_calls):
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+    `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). `logprobs(index,
+    out)` gives the choice's `logprobs` object for the tokens an output delivers (`StreamLogprobs`;
+    None when the request did not ask for them). `tool_calls(index, out)` gives the tool calls a
+    chat choice's output delivers (`ToolCallStream`; None without tools). If the client
+    disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
+    requests on the engine thread, which frees their KV blocks.
+    """
+    # >>> week11: sse-events
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, delta: str | None, finish_reason: str | None, role: bool = False,
+              found: dict | None = None, calls: list | None = None) -> str:
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            if calls:
+                d["tool_calls"] = calls
+            choice = {"index": index, "delta": d, "logprobs": found, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": delta or "", "logprobs": found, "finish_reason": finish_reason}
+        payload = {**meta, "object": kind, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    completion_tokens = 0
+    started = set()  # the chat choices that had their role chunk
+    try:
+        async for index, out in outputs:
+            if chat and index not in started:
+                started.add(index)
+                yield chunk(index, None, None, role=True)
+            found = logprobs(index, out)  # on the chunk with the text, else on the final one
+            calls = tool_calls(index, out)
+            if out.delta or calls:
+                yield chunk(index, out.delta or None, None, found=found, calls=calls)
+                found = None
+            if out.finished:
+                yield chunk(index, None if chat else "", out.finish_reason, found=found)
+                completion_tokens += len(out.token_ids)
+        if include_usage:
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+            yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
+    # <<< week11: sse-events

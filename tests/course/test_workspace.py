@@ -75,10 +75,10 @@ def test_stubbed_modules_keep_every_name_and_signature(tmp_path):
 def test_start_peek_reset_and_learner_work_survives(tmp_path, capsys):
     ws = tmp_path / "ws"
     assert course.main(["--workspace", str(ws), "start", "--week", "3"]) == 0
-    sampling = ws / "nanoserve" / "sampling.py"
+    sampling = ws / "nanoserve" / "sampling" / "sampler.py"
     text = sampling.read_text()
     assert "week 03 exercise 'sample'" in text
-    assert "week 02 exercise" not in (ws / "nanoserve" / "layers.py").read_text()  # earlier weeks solved
+    assert "week 02 exercise" not in (ws / "nanoserve" / "model" / "layers.py").read_text()  # earlier weeks solved
     # The learner solves one exercise; re-running start keeps it.
     solution = course.peek("sample")
     assert "exponential" in solution and solution.startswith("--- week03:sample")
@@ -88,7 +88,7 @@ def test_start_peek_reset_and_learner_work_survives(tmp_path, capsys):
     sampling.write_text(solved)
     course.make_workspace(2, ws)
     assert "return logits  # my attempt" in sampling.read_text()
-    assert "week 02 exercise 'attention'" in (ws / "nanoserve" / "layers.py").read_text()
+    assert "week 02 exercise 'attention'" in (ws / "nanoserve" / "model" / "layers.py").read_text()
     assert course.reset_week(3, ws) == 7
     assert "my attempt" not in sampling.read_text()
     assert course.main(["peek", "nope"]) == 2

@@ -31,7 +31,7 @@ def hf_greedy(hf, prompt, n):
 
 def test_ragged_batch_equals_hf_one_prompt_at_a_time(ckpt, prompts):
     path, hf = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", block_size=16, num_blocks=128)
+    llm = LLM(str(path), device="cpu", batching="admit-all", block_size=16, num_blocks=128)
     outs = llm.generate(prompts, GREEDY)
     assert [o.prompt_token_ids for o in outs] == prompts  # in order
     for prompt, out in zip(prompts, outs):
@@ -43,7 +43,7 @@ def test_ragged_batch_equals_hf_one_prompt_at_a_time(ckpt, prompts):
 
 def test_small_blocks_and_text_prompts(ckpt):
     path, hf = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", block_size=4, num_blocks=256)
+    llm = LLM(str(path), device="cpu", batching="admit-all", block_size=4, num_blocks=256)
     texts = ["The list", "A dictionary maps keys", "x"]
     outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for text, out in zip(texts, outs):
@@ -55,7 +55,7 @@ def test_small_blocks_and_text_prompts(ckpt):
 
 def test_max_tokens_and_stop_tokens(ckpt, prompts):
     path, _ = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", num_blocks=128)
+    llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
     full = llm.generate(prompts[4], GREEDY)[0].token_ids
     stop_token = full[5]
     first = full.index(stop_token)
@@ -68,7 +68,7 @@ def test_max_tokens_and_stop_tokens(ckpt, prompts):
 
 def test_eos_from_the_config_stops_generation(ckpt, prompts, tmp_path):
     path, hf = ckpt
-    full = LLM(str(path), device="cpu", scheduler_policy="admit-all", num_blocks=128).generate(prompts[3], GREEDY)[0].token_ids
+    full = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128).generate(prompts[3], GREEDY)[0].token_ids
     eos = full[4]
     cfg = json.loads((path / "config.json").read_text())
     eos_dir = tmp_path / "eos"
@@ -76,7 +76,7 @@ def test_eos_from_the_config_stops_generation(ckpt, prompts, tmp_path):
     for f in path.iterdir():
         (eos_dir / f.name).write_bytes(f.read_bytes())
     (eos_dir / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
-    llm = LLM(str(eos_dir), device="cpu", scheduler_policy="admit-all", num_blocks=128)
+    llm = LLM(str(eos_dir), device="cpu", batching="admit-all", num_blocks=128)
     out = llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=24))[0]
     assert out.token_ids == full[: full.index(eos) + 1] and out.finish_reason == "stop"
     ignored = llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
@@ -85,7 +85,7 @@ def test_eos_from_the_config_stops_generation(ckpt, prompts, tmp_path):
 
 def test_stop_strings_cut_the_text(ckpt):
     path, _ = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", num_blocks=128)
+    llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     full = llm.generate("The list", params)[0].text
     stop = next(full[i : i + 3] for i in range(4, len(full) - 3) if "\ufffd" not in full[i : i + 3])
@@ -104,7 +104,7 @@ def test_stop_strings_cut_the_text(ckpt):
 
 def test_abort_frees_blocks(ckpt, prompts):
     path, _ = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", num_blocks=128)
+    llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
     eng = llm.engine
     a = eng.add_request(prompts[7], GREEDY)
     b = eng.add_request(prompts[2], GREEDY)
@@ -121,7 +121,7 @@ def test_abort_frees_blocks(ckpt, prompts):
 
 def test_user_errors_are_clear(ckpt):
     path, _ = ckpt
-    llm = LLM(str(path), device="cpu", scheduler_policy="admit-all", num_blocks=4, block_size=4)
+    llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="context"):
         llm.generate([[5] * 1024])
     with pytest.raises(ValueError, match="never fit"):
@@ -133,7 +133,7 @@ def test_user_errors_are_clear(ckpt):
 
 
 def test_tiny_model_generates_text():
-    llm = LLM("tiny", device="cpu", scheduler_policy="admit-all")
+    llm = LLM("tiny", device="cpu", batching="admit-all")
     out = llm.generate("Return the", SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.text and out.finish_reason in ("length", "stop")
     seeded = [llm.generate("Return the", SamplingParams(temperature=1.0, seed=3, max_tokens=12))[0].token_ids

@@ -29,7 +29,7 @@ def test_engine_with_triton_backend_matches_hf(tmp_path):
     pytest.importorskip("triton", reason="week 6 needs the triton package: pip install triton (Linux)")
     path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config(num_hidden_layers=2))
     hf = hf.to(DEVICE)
-    llm = LLM(str(path), device=DEVICE, dtype=torch.float32, attention_backend="triton", scheduler_policy="admit-all",
+    llm = LLM(str(path), device=DEVICE, dtype=torch.float32, attention_backend="triton", batching="admit-all",
               num_blocks=64, block_size=16, fused_kernels=False)  # week 6 alone: week 12's kernels are tested there
     assert llm.engine.attention_backend == "triton"
     gen = torch.Generator().manual_seed(11)

@@ -18,7 +18,7 @@ def seq(prompt_len, max_tokens):
 def static(**kw):
     args = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     args.update(kw)
-    return Scheduler(**args, policy="static")
+    return Scheduler(**args, batching="static")
 
 
 def test_never_admits_into_a_running_batch():
@@ -79,7 +79,7 @@ def test_memory_limits_the_batch():
 
 def test_static_engine_matches_hf(tmp_path):
     path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config())
-    llm = LLM(str(path), device="cpu", num_blocks=128, scheduler_policy="static", max_num_seqs=3)
+    llm = LLM(str(path), device="cpu", num_blocks=128, batching="static", max_num_seqs=3)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 30, 9, 17, 1)]
     lengths = [5, 12, 3, 8, 6]
@@ -91,5 +91,5 @@ def test_static_engine_matches_hf(tmp_path):
 
 
 def test_unknown_policy():
-    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
-        Scheduler(8, 4, policy="fifo")
+    with pytest.raises(ValueError, match="unknown batching 'fifo'"):
+        Scheduler(8, 4, batching="fifo")

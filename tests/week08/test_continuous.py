@@ -17,10 +17,10 @@ def seq(prompt_len, max_tokens):
     return Sequence([3] * prompt_len, SamplingParams(temperature=0, max_tokens=max_tokens))
 
 
-def sched(policy="continuous", **kw):
+def sched(batching="continuous", **kw):
     args = dict(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
     args.update(kw)
-    return Scheduler(**args, policy=policy, preemption=False)
+    return Scheduler(**args, batching=batching, preemption=False)
 
 
 def arrival_pattern():

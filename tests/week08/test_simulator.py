@@ -33,8 +33,8 @@ def test_unstable_regime_queue_grows():
 
 def test_continuous_beats_static_on_latency():
     common = dict(arrival_rate=4.0, max_running=8, step_time=0.02, num_requests=1000, output_len=(10, 200))
-    static = simulate(SimConfig(policy="static", **common))
-    continuous = simulate(SimConfig(policy="continuous", **common))
+    static = simulate(SimConfig(batching="static", **common))
+    continuous = simulate(SimConfig(batching="continuous", **common))
     assert continuous.percentile(continuous.ttfts, 50) < static.percentile(static.ttfts, 50)
     assert continuous.percentile(continuous.latencies, 99) < static.percentile(static.latencies, 99)
 

@@ -60,11 +60,29 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
     add_arguments(p)
     args = p.parse_args(["serving", "--block-size", "8", "--num-blocks", "99", "--kv-cache-memory", "0.5",
                          "--max-num-seqs", "12", "--max-model-len", "300", "--dtype", "float32",
-                         "--scheduler-policy", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
+                         "--batching", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
                          "--enable-prefix-caching", "--enable-chunked-prefill", "--scheduling-policy", "priority",
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
     served = build_parser().parse_args(["serve", "--model", args.model] + engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
+
+
+def test_every_engine_field_but_trace_is_a_command_line_option():
+    """`EngineConfig.from_args` reads the fields by name: a new field needs an option of the same
+    name (`trace` is set from code only), and the options' defaults are the fields'."""
+    import argparse
+    import dataclasses
+
+    from nanoserve.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_arguments(p)
+    args = p.parse_args([])
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(vars(args)) == {"trace"}
+    assert EngineConfig.from_args(args) == EngineConfig()
+    args = p.parse_args(["--dtype", "bfloat16", "--kv-cache-memory", "0.5", "--batching", "static"])
+    config = EngineConfig.from_args(args)
+    assert (config.dtype, config.kv_cache_memory, config.batching) == (torch.bfloat16, 2**29, "static")
 
 
 def test_runs_is_honoured_by_latency_and_refused_elsewhere(tmp_path, capsys):

@@ -112,5 +112,5 @@ def test_options_of_the_continuous_policy_are_refused_with_another():
     import pytest
 
     for kw in (dict(scheduling="priority"), dict(prefix_caching=True), dict(chunked_prefill=True)):
-        with pytest.raises(ValueError, match="continuous policy only, not 'static'"):
-            Scheduler(16, 4, policy="static", **kw)
+        with pytest.raises(ValueError, match="continuous batching only, not 'static'"):
+            Scheduler(16, 4, batching="static", **kw)

@@ -1,0 +1,325 @@
+"""Weeks 10-11: what each route of the HTTP app does (nanoserve/server/app.py holds the routes).
+
+Every handler is a plain function of a `ServerState` (the engine and the server's settings) and
+the request. The two generation endpoints share one path:
+
+    completions / chat_completions     read_json, check_fields, the params, the prompt token ids
+      -> respond                       submit (admit), then answer:
+           streamed                    sse_events over the merged outputs (nanoserve/server/streaming.py)
+           plain                       collect each choice's last output, then the body
+
+An error a client can cause is raised as an `APIError` anywhere on that path; the app's
+exception handler turns it into OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.engine.async_engine import AsyncEngine, QueueFull
+from nanoserve.engine.distributed import WorkerFailed
+from nanoserve.engine.outputs import RequestOutput
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.protocol import (
+    APIError,
+    check_fields,
+    check_model,
+    choice_params,
+    openai_fields,
+    request_priority,
+    sampling_params_from,
+    stream_fields,
+    template_messages,
+)
+from nanoserve.server.streaming import (
+    StreamLogprobs,
+    TokenStrings,
+    chat_completion,
+    merged_outputs,
+    no_tool_calls,
+    sse_events,
+    text_completion,
+    with_echo,
+)
+from nanoserve.server.tools import ToolCallStream, ToolError, ToolUse, tool_use
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
+
+
+@dataclass
+class ServerState:
+    """What the handlers share: the engine, and the server's settings, fixed at start-up."""
+
+    engine: AsyncEngine
+    model_name: str  # the one `model` this server answers to
+    api_key: str | None = None  # checked by the `Guard` middleware, before any handler
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_max_tokens: int = 16
+    metrics: ServerMetrics | None = None  # week 16: GET /metrics, when on
+    created: int = field(default_factory=lambda: int(time.time()))  # the model's `created` in /v1/models
+    token_strings: TokenStrings = field(init=False)  # token id -> text and bytes, for logprobs
+
+    def __post_init__(self):
+        self.token_strings = TokenStrings(self.engine.tokenizer)
+
+
+# ------------------------------------------------------------------------- the small routes
+
+
+def health(state: ServerState) -> dict | JSONResponse:
+    """`GET /health`: the engine's load, or 503 once it has failed."""
+    engine = state.engine
+    free, total = engine.kv_blocks()
+    if engine.failed is not None:  # week 18: a load balancer should take this replica out
+        return JSONResponse({"status": "failed", "error": engine.failed}, status_code=503)
+    return {"status": "ok", "requests_in_flight": engine.num_pending,
+            "kv_blocks_free": free, "kv_blocks_total": total}
+
+
+def metrics_page(state: ServerState) -> Response:
+    """`GET /metrics` (week 16): every metric in Prometheus' text format."""
+    body, content_type = state.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+def list_models(state: ServerState) -> dict:
+    """`GET /v1/models`: the one model served."""
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "nanoserve", "max_model_len": state.engine.max_model_len}]}
+
+
+# ----------------------------------------------------------------------------- the requests
+
+
+async def read_json(state: ServerState, request: Request) -> dict:
+    """The body: a JSON object that names the model served."""
+    raw = await request.body()
+    if len(raw) > state.max_body_bytes:  # no Content-Length (chunked upload): check what arrived
+        raise APIError(413, f"request body larger than {state.max_body_bytes} bytes", code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, state.model_name)
+    return body
+
+
+def check_length(state: ServerState, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    """400 unless the prompt and the tokens asked for fit the model's context."""
+    max_model_len = state.engine.max_model_len
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt has "
+                            f"{len(prompt_ids)} and max_tokens asks for {params.max_tokens} more",
+                       param=param if len(prompt_ids) >= max_model_len else "max_tokens",
+                       code="context_length_exceeded")
+
+
+async def completions(state: ServerState, request: Request):
+    """`POST /v1/completions`."""
+    body = await read_json(state, request)
+    check_fields(body, chat=False)
+    params = sampling_params_from(body, state.default_max_tokens)
+    params, n, echo = openai_fields(body, params, chat=False, vocab_size=state.engine.vocab_size)
+    prompts, names = completion_prompts(body.get("prompt"))
+    prompt_ids = [prompt_token_ids(state, p, name) for p, name in zip(prompts, names)]
+    for ids, name in zip(prompt_ids, names):
+        check_length(state, ids, params, name)
+    echoed = [p if isinstance(p, str) else state.engine.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+    return await respond(state, request, body, prompt_ids, params, chat=False, n=n, echo=echoed if echo else None)
+
+
+def completion_prompts(prompt: Any) -> tuple[list, list[str]]:
+    """A completion request's `prompt` as (a list of prompts, each one's name for errors)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompts, names = [prompt], ["prompt"]  # one prompt: text, or token ids
+    elif isinstance(prompt, list) and prompt:  # a batch: strings, or lists of token ids
+        prompts, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        prompts, names = [None], ["prompt"]
+    for p, name in zip(prompts, names):  # a batch is all strings or all token-id lists
+        if type(p) is not type(prompts[0]):
+            raise APIError(400, f"'{name}' is a {type(p).__name__} but 'prompt[0]' a "
+                                f"{type(prompts[0]).__name__}: a batch of prompts is all strings or all "
+                                "lists of token ids", param=name)
+    return prompts, names
+
+
+def prompt_token_ids(state: ServerState, prompt: Any, param: str) -> list[int]:
+    """One prompt of a completion request, a string or a list of token ids, as token ids."""
+    vocab_size = state.engine.vocab_size
+    if isinstance(prompt, str) and prompt:
+        return state.engine.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < vocab_size for t in prompt):
+        return list(prompt)  # already tokenized
+    raise APIError(400, f"'{param}' must be a non-empty string or a list of token ids in [0, {vocab_size}) "
+                        "('prompt' may also be a list of those, one choice each)", param=param)
+
+
+async def chat_completions(state: ServerState, request: Request):
+    """`POST /v1/chat/completions`."""
+    body = await read_json(state, request)
+    check_fields(body, chat=True)
+    params = sampling_params_from(body, state.default_max_tokens)
+    params, n, _ = openai_fields(body, params, chat=True, vocab_size=state.engine.vocab_size)
+    messages = template_messages(body.get("messages"), state.engine.tokenizer.takes_tools)
+    tools, params = chat_tools(state, body, params)
+    try:
+        prompt_ids = state.engine.tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    check_length(state, prompt_ids, params, "messages")
+    return await respond(state, request, body, [prompt_ids], params, chat=True, n=n, tools=tools)
+
+
+def chat_tools(state: ServerState, body: dict, params: SamplingParams) -> tuple[ToolUse | None, SamplingParams]:
+    """A chat request's tools (nanoserve/server/tools.py), and its params with the grammar of a call
+    when `tool_choice` requires one."""
+    tokenizer = state.engine.tokenizer
+    try:
+        tools = tool_use(body, tokenizer.tool_template, tokenizer.takes_tools)
+        grammar = tools.grammar() if tools else None
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if grammar is None:
+        return tools, params
+    if params.grammar is not None:
+        raise APIError(400, "'response_format' cannot be used with a 'tool_choice' that requires a call: the "
+                            "call's own schema constrains the output", param="response_format")
+    return tools, dataclasses.replace(params, grammar=grammar)
+
+
+# ---------------------------------------------------------------------------- the answers
+
+
+async def respond(state: ServerState, request: Request, body: dict, prompt_ids: list[list[int]],
+                  params: SamplingParams, chat: bool, n: int = 1, echo: list[str] | None = None,
+                  tools: ToolUse | None = None):
+    """Generate n choices per prompt, all at once or streamed: choice k is the (k % n)-th of
+    prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front;
+    `tools`: a chat's tools, whose calls are parsed from the answers."""
+    stream, include_usage = stream_fields(body)
+    priority = request_priority(body, state.engine.scheduling_policy)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id)
+    meta = dict(id=request_id, created=int(time.time()), model=state.model_name)
+    prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
+    total = len(streams)
+    if stream:
+        outputs = merged_outputs(streams, firsts)
+        if echo is not None:  # a prompt's first choice has its logprobs (when asked), for all n
+            outputs = with_echo(outputs, [echo[k // n] for k in range(total)],
+                                [firsts[k - k % n].prompt_logprobs for k in range(total)])
+        logprobs = StreamLogprobs(state.token_strings, chat)
+        tool_calls = no_tool_calls
+        if tools is not None:  # text that may be a tool call is held back (nanoserve/server/tools.py)
+            tool_calls = ToolCallStream(tools)
+            outputs = tool_calls.wrap(outputs)
+        events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    lasts = await collect_all(request, streams, firsts)
+    if lasts is None:  # nobody is listening any more
+        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
+                                       "param": None, "code": None}}, status_code=499)
+    if chat:
+        return chat_completion(meta, lasts, tools, state.token_strings, prompt_tokens)
+    return text_completion(meta, lasts, n, echo, state.token_strings, prompt_tokens)
+
+
+async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: SamplingParams, n: int,
+                 priority: int, request_id: str) -> tuple[list, list[RequestOutput]]:
+    """Start every choice on the engine and await its first output: (the engine generators, their
+    first outputs), choice k the (k % n)-th of prompt k // n. Every reason to refuse the request
+    surfaces here, as an APIError, before a byte of the response is sent; the choices already
+    started are then aborted."""
+    total = len(prompt_ids) * n
+    streams: list = [None] * total
+    firsts: list = [None] * total
+    # With prefix caching, the other n - 1 choices of a prompt start once its first one has
+    # been prefilled: they find the prompt's full blocks in the cache and share them, so the
+    # prompt is prefilled once. Without it, the n choices are n independent requests.
+    later = n > 1 and engine.prefix_caching
+    waves = [[k for k in range(total) if k % n == 0 or not later], [k for k in range(total) if k % n and later]]
+    started = False
+    try:
+        for wave in waves:
+            for k in wave:
+                name = request_id if total == 1 else f"{request_id}-{k}"
+                streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
+                                             request_id=name)
+            # admission errors surface here, before any byte is sent
+            results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
+            for k, result in zip(wave, results):
+                if isinstance(result, BaseException):
+                    raise result
+                firsts[k] = result
+        started = True
+    except WorkerFailed as e:  # week 18: a rank of the engine is gone; nothing more can run
+        raise APIError(503, f"the engine cannot serve: {e}", code="engine_failed", type_="server_error") from None
+    except (QueueFull, ValueError) as e:
+        if isinstance(e, ValueError):
+            raise APIError(400, str(e)) from None
+        raise APIError(429, f"the server is busy ({e}); retry shortly", code="server_overloaded",
+                       type_="server_error", headers={"Retry-After": "1"}) from None
+    finally:
+        if not started:  # abort the choices already admitted
+            for outputs in streams:
+                if outputs is not None:
+                    await outputs.aclose()
+    return streams, firsts
+
+
+async def collect_all(request: Request, streams: list, firsts: list[RequestOutput]) -> list[RequestOutput] | None:
+    """Every choice's last output (one `collect` each, run together), or None if the client
+    disconnected meanwhile."""
+    tasks = [asyncio.ensure_future(collect(request, o, f)) for o, f in zip(streams, firsts)]
+    try:
+        lasts = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # if one failed, stop the others
+            task.cancel()
+    if any(last is None for last in lasts):
+        return None
+    return lasts
+
+
+async def collect(request: Request, outputs, first: RequestOutput) -> RequestOutput | None:
+    """Await the last output. If the client disconnects meanwhile, abort and return None."""
+    last = first
+
+    async def consume():
+        nonlocal last
+        async for out in outputs:
+            last = out
+
+    if first.finished:
+        await outputs.aclose()
+        return last
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()  # the engine generator's `finally` aborts the request
+                await asyncio.wait({task})
+                return None
+        task.result()  # re-raises what the engine reported, if anything
+        return last
+    finally:
+        if not task.done():  # the handler itself was cancelled
+            task.cancel()
+            await asyncio.wait({task})  # a generator inside a running `anext` cannot be closed
+        await outputs.aclose()
