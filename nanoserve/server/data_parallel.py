@@ -146,7 +146,7 @@ async def forward(client: httpx.AsyncClient, router: Router, count, request: Req
     try:
         body = json.loads(raw)
         tokens = estimate_tokens(body, count) if isinstance(body, dict) else 1
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError, TypeError):  # not JSON, too deep, a 5,000-digit number, bad Unicode
         tokens = 1  # the replica answers the 400
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
     while True:

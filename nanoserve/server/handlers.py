@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from nanoserve.server.protocol import (
     APIError,
     check_fields,
     check_model,
+    load_json,
     choice_params,
     openai_fields,
     request_priority,
@@ -106,10 +106,7 @@ async def read_json(state: ServerState, request: Request) -> dict:
     raw = await request.body()
     if len(raw) > state.max_body_bytes:  # no Content-Length (chunked upload): check what arrived
         raise APIError(413, f"request body larger than {state.max_body_bytes} bytes", code="body_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    body = load_json(raw)  # within the limits on nesting, integers and Unicode
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, state.model_name)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -38,6 +40,13 @@ MESSAGE_FIELDS = {  # the keys a message of each role may have (tool calls and t
 }
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_STOP = 16  # stop strings per request (OpenAI takes 4; evaluation harnesses send more)
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other, in a body or a tool call's `arguments`
+MAX_INT_DIGITS = 20  # digits of a JSON integer: enough for any 64-bit seed
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"')  # a string literal, whose brackets are text
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair
 
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of"}
 
@@ -80,6 +89,64 @@ def _kind_names(kinds: tuple) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
+# ------------------------------------------------------------------------- JSON, within limits
+
+
+def load_json(text: str | bytes, param: str | None = None) -> Any:
+    """JSON text (a request body, or a JSON string inside one: `param` names it) -> its value; a
+    400 for text that is not JSON, nested deeper than MAX_JSON_DEPTH, with an integer longer than
+    MAX_INT_DIGITS, or with a string that is not valid Unicode. Past these limits Python's own
+    parser and the tokenizer fail (RecursionError, a 4,300-digit ValueError, a TypeError)."""
+    where = f"'{param}'" if param else "the request body"
+    try:
+        if isinstance(text, bytes):
+            text = text.decode(json.detect_encoding(text))
+        # the deepest nesting, counted over the brackets outside string literals
+        steps = (1 if c in "[{" else -1 for c in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)))
+        if max(itertools.accumulate(steps), default=0) > MAX_JSON_DEPTH:
+            raise APIError(400, f"{where} nests arrays and objects more than {MAX_JSON_DEPTH} deep", param=param)
+        value = json.loads(text, parse_int=_parse_int)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"{where} is not valid JSON: {e}", param=param) from None
+    except _IntegerTooLong as e:
+        raise APIError(400, f"{where} holds an integer of {e.args[0]} digits; JSON integers here have at most "
+                            f"{MAX_INT_DIGITS}", param=param) from None
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for the string it left unpaired
+        path = _unpaired_surrogate(value, param or "")
+        if path is not None:
+            raise APIError(400, f"{f'{path!r}' if path else where} is not valid Unicode: it holds half of a UTF-16 surrogate pair (an escape "
+                                "from \\ud800 to \\udfff without its other half)", param=path or None)
+    return value
+
+
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:  # before int(), whose time grows with the square
+        raise _IntegerTooLong(len(digits.lstrip("-")))
+    return int(digits)
+
+
+def _unpaired_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) in `value` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        name = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")  # printable, even if the key is bad
+        found = _unpaired_surrogate(key, name) or _unpaired_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
+
+
 def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
     """The sampling fields of a completion or chat request -> SamplingParams (400 on bad input)."""
     # >>> week10: parse-params
@@ -120,8 +187,10 @@ def openai_fields(body: dict, params: SamplingParams, chat: bool, vocab_size: in
     logit_bias = {}
     for key, value in bias.items():  # JSON keys are strings: token ids written as text
         param = f"logit_bias.{key}"
-        if not (key.isdigit() and int(key) < vocab_size):
-            raise APIError(400, f"'logit_bias' keys are token ids in [0, {vocab_size}), got {key!r}", param=param)
+        # plain ASCII digits: str.isdigit() also takes "²" (which int() refuses) and "١٢" (which it reads as 12)
+        if not (key.isascii() and key.isdigit() and len(key) <= len(str(vocab_size)) and int(key) < vocab_size):
+            raise APIError(400, f"'logit_bias' keys are token ids written in ASCII digits, in [0, {vocab_size}), "
+                                f"got {key!r}", param=param)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise APIError(400, f"'{param}' must be a number in [-100, 100], got {value!r}", param=param)
         logit_bias[int(key)] = float(value)
@@ -280,10 +349,7 @@ def template_tool_call(call: Any, param: str) -> dict:
             and set(function) == {"name", "arguments"}):
         raise APIError(400, f"'{param}' must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
                             "\"arguments\": \"<a JSON object, as a string>\"}}}}", param=param)
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        arguments = None
+    arguments = load_json(function["arguments"], f"{param}.function.arguments")
     if not isinstance(arguments, dict):
         raise APIError(400, f"'{param}.function.arguments' must be a JSON object written as a string, got "
                             f"{function['arguments']!r}", param=f"{param}.function.arguments")

@@ -1,0 +1,77 @@
+"""Issue 30: bodies that used to reach a 500 (Python's own limits: a 4,300-digit integer, the
+recursion limit, a tokenizer that cannot take half a UTF-16 pair, `int()` reading digits that are
+not ASCII) answer 400 in OpenAI's error shape, and the next request on the same keep-alive
+connection is served."""
+
+import json
+
+import httpx
+import pytest
+
+from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, APIError, load_json
+
+CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'  # a body, open
+COMPLETION = '{"model": "tiny", "max_tokens": 2, "prompt": "The list"'
+
+
+def nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def tool_call_with(arguments: str) -> str:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    return json.dumps({"model": "tiny", "max_tokens": 2, "messages": messages})
+
+
+HOSTILE = [  # (name, path, raw body, the error's param, a word of its message)
+    ("a 5,000-digit max_tokens", "/v1/completions", COMPLETION + ', "max_tokens": ' + "1" * 5000 + "}",
+     None, "digits"),
+    ("messages nested 100,000 deep", "/v1/chat/completions",
+     '{"model": "tiny", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None, "deep"),
+    ("metadata nested 50,000 deep", "/v1/chat/completions", CHAT + ', "metadata": ' + nested(50_000) + "}",
+     None, "deep"),
+    ("tool call arguments nested 50,000 deep", "/v1/chat/completions", tool_call_with(nested(50_000)),
+     "messages[1].tool_calls[0].function.arguments", "deep"),
+    ("a lone surrogate in chat content", "/v1/chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content", "Unicode"),
+    ("a lone surrogate in a prompt", "/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', "prompt", "Unicode"),
+    ("a lone surrogate in tool call arguments", "/v1/chat/completions", tool_call_with('{"a": "\\udc00"}'),
+     "messages[1].tool_calls[0].function.arguments.a", "Unicode"),
+    ("logit_bias key ²", "/v1/completions", COMPLETION + ', "logit_bias": {"\u00b2": 1}}', "logit_bias.\u00b2", "ASCII"),
+    ("logit_bias key in Arabic-Indic digits", "/v1/completions", COMPLETION + ', "logit_bias": {"\u0661\u0662": 1}}',
+     "logit_bias.\u0661\u0662", "ASCII"),
+    ("logit_bias key of 5,000 ASCII digits", "/v1/completions", COMPLETION + ', "logit_bias": {"' + "1" * 5000 + '": 1}}',
+     "logit_bias." + "1" * 5000, "token ids"),
+]
+
+
+@pytest.fixture(scope="module")
+def connection(server):
+    """One keep-alive connection: a request that broke it would fail the one after it."""
+    with httpx.Client(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("name,path,raw,param,word", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_are_400s_and_the_connection_lives(connection, name, path, raw, param, word):
+    resp = connection.post(path, content=raw.encode("utf-8"), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and word in error["message"], error
+    good = connection.post("/v1/completions", json={"model": "tiny", "prompt": "The list", "max_tokens": 2})
+    assert good.status_code == 200, good.text
+
+
+def test_load_json_limits():
+    assert load_json("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH) is not None  # at the limit: fine
+    assert load_json('{"s": "' + "[" * 1000 + '"}') == {"s": "[" * 1000}  # brackets inside strings are text
+    assert load_json(str(2**64 - 1)) == 2**64 - 1 and len(str(2**64 - 1)) <= MAX_INT_DIGITS  # any 64-bit seed
+    assert load_json('"\\ud83d\\ude00"') == "\U0001F600"  # a surrogate pair is one character
+    assert load_json('"\\\\ud800"') == "\\ud800"  # an escaped backslash, then text
+    for text in ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "1" * (MAX_INT_DIGITS + 1),
+                 "-" + "1" * (MAX_INT_DIGITS + 1), '["\\udfff"]', '{"\\ud800": 1}', b'{"a": \xff}'):
+        with pytest.raises(APIError) as e:
+            load_json(text)
+        assert e.value.status == 400
