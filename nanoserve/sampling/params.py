@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
+# Where the sampler's float32 arithmetic stays sound, with a wide margin: it divides the logits by the
+# temperature and by (or multiplies them by) the repetition penalty, and compares top_p with a float32 sum.
+# At temperature 1e-38 or a penalty of 1e-40 the logits overflow to inf; a top_p of 5e-324 rounds to 0 and
+# keeps no token at all. (0 stays the temperature of greedy decoding; a top_p below 1 / vocabulary size
+# already keeps only the most likely token.)
+MIN_TEMPERATURE = 1e-3
+MIN_TOP_P = 1e-8
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 
 
 @dataclass
@@ -52,7 +60,22 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
         # <<< week03: validate-params
+        self._check_arithmetic()
         self._check_openai_fields()
+
+    def _check_arithmetic(self) -> None:
+        """Values the checks above let through but float32 sampling cannot compute with (see MIN_TEMPERATURE)."""
+        checks = [
+            (not 0 < self.temperature < MIN_TEMPERATURE,
+             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"),
+            (not 0 < self.top_p < MIN_TOP_P, f"top_p must be at least {MIN_TOP_P:g}, got {self.top_p}"),
+            (not (0 < self.repetition_penalty < MIN_REPETITION_PENALTY or self.repetition_penalty > MAX_REPETITION_PENALTY),
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+             f"got {self.repetition_penalty}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
     def _check_openai_fields(self) -> None:
         """The wider OpenAI surface's fields. (The server checks OpenAI's ranges, [-2, 2] and [-100, 100]; the

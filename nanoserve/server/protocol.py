@@ -11,7 +11,16 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from nanoserve.sampling.grammar import GrammarError, check_grammar, grammar_for
-from nanoserve.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from nanoserve.sampling.params import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 # Every request field of the two endpoints that the server accepts: OpenAI's (see docs/openai_api.md
 # for what each one does here) and nanoserve's own. Anything else is refused with a 400 naming it:
@@ -163,10 +172,15 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
     return SamplingParams(
-        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")),
-        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")),
+        # ranges where float32 sampling is sound (nanoserve/sampling/params.py says why)
+        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: v == 0 or MIN_TEMPERATURE <= v <= 2,
+                               f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2]")),
+        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: MIN_TOP_P <= v <= 1,
+                         f"must be in [{MIN_TOP_P:g}, 1]")),
         top_k=_get(body, "top_k", (int,), 0, lambda v: v >= 0, "must be >= 0 (0 = off)"),
-        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0, lambda v: v > 0, "must be > 0")),
+        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0,
+                                      lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                                      f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")),
         max_tokens=max_tokens,
         stop=stop,
         seed=_get(body, "seed", (int,), None, lambda v: SEED_MIN <= v <= SEED_MAX,

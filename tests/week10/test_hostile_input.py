@@ -8,6 +8,13 @@ import json
 import httpx
 import pytest
 
+from nanoserve.sampling.params import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingParams,
+)
 from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, APIError, load_json
 
 CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'  # a body, open
@@ -75,3 +82,31 @@ def test_load_json_limits():
         with pytest.raises(APIError) as e:
             load_json(text)
         assert e.value.status == 400
+
+
+# ------------------------------------------------------------------- degenerate sampling values
+
+DEGENERATE = [  # each used to answer 200 with every token <|begin_of_text|> and empty text
+    ("temperature", 1e-38), ("temperature", MIN_TEMPERATURE / 2), ("top_p", 5e-324), ("top_p", MIN_TOP_P / 2),
+    ("repetition_penalty", 1e-40), ("repetition_penalty", MAX_REPETITION_PENALTY * 2),
+]
+
+
+@pytest.mark.parametrize("name,value", DEGENERATE, ids=[f"{n}={v:g}" for n, v in DEGENERATE])
+def test_degenerate_sampling_values_are_400s(connection, name, value):
+    resp = connection.post("/v1/completions", json={"model": "tiny", "prompt": "The list", "max_tokens": 2,
+                                                    name: value})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == name
+    with pytest.raises(ValueError, match=name):  # the engine refuses them too
+        SamplingParams(**{name: value})
+
+
+def test_the_edges_of_the_sound_ranges_sample(connection):
+    edges = [{"temperature": 0}, {"temperature": MIN_TEMPERATURE}, {"top_p": MIN_TOP_P},
+             {"repetition_penalty": MIN_REPETITION_PENALTY}, {"repetition_penalty": MAX_REPETITION_PENALTY}]
+    for fields in edges:
+        resp = connection.post("/v1/completions", json={"model": "tiny", "prompt": "The list", "max_tokens": 3,
+                                                        "ignore_eos": True, "seed": 1, **fields})
+        assert resp.status_code == 200, (fields, resp.text)
+        assert resp.json()["choices"][0]["text"].strip(), fields  # a real token, not <|begin_of_text|> thrice
