@@ -243,6 +243,10 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
     surfaces here, as an APIError, before a byte of the response is sent; the choices already
     started are then aborted."""
     total = len(prompt_ids) * n
+    if total > engine.max_pending:  # a 429 would have the client retry what can never be admitted
+        raise APIError(400, f"this request asks for {total} choices ({len(prompt_ids)} prompt(s) x n = {n}), more than "
+                            f"this server ever runs at once (--max-pending {engine.max_pending}): send fewer "
+                            "prompts or a smaller 'n'", param="n" if n > 1 else "prompt")
     streams: list = [None] * total
     firsts: list = [None] * total
     # With prefix caching, the other n - 1 choices of a prompt start once its first one has

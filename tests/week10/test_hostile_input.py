@@ -16,6 +16,7 @@ from nanoserve.sampling.params import (
     SamplingParams,
 )
 from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, APIError, load_json
+from nanoserve.testing import ServerThread
 
 CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'  # a body, open
 COMPLETION = '{"model": "tiny", "max_tokens": 2, "prompt": "The list"'
@@ -110,3 +111,18 @@ def test_the_edges_of_the_sound_ranges_sample(connection):
                                                         "ignore_eos": True, "seed": 1, **fields})
         assert resp.status_code == 200, (fields, resp.text)
         assert resp.json()["choices"][0]["text"].strip(), fields  # a real token, not <|begin_of_text|> thrice
+
+
+# ------------------------------------------------------------------------ a request that never fits
+
+
+def test_more_choices_than_max_pending_is_a_400_not_a_429():
+    with ServerThread(max_pending=4) as s:
+        url = s.url + "/v1/completions"
+        for fields, param in [({"n": 5}, "n"), ({"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
+                              ({"prompt": ["a", "b", "c"], "n": 2}, "n")]:
+            resp = httpx.post(url, json={"model": "tiny", "prompt": "The list", "max_tokens": 2, **fields}, timeout=60)
+            assert resp.status_code == 400, resp.text  # on an idle server: retrying could never help
+            assert resp.json()["error"]["param"] == param and "--max-pending 4" in resp.json()["error"]["message"]
+        fits = httpx.post(url, json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2}, timeout=60)
+        assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
