@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (O
 MIN_TEMPERATURE = 1e-3
 MIN_TOP_P = 1e-8
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
+MAX_TOP_K = 2**31 - 1  # the sampler holds top_k in an int64 tensor; any k >= the vocabulary size is "off"
 
 
 @dataclass
@@ -66,6 +67,7 @@ class SamplingParams:
     def _check_arithmetic(self) -> None:
         """Values the checks above let through but float32 sampling cannot compute with (see MIN_TEMPERATURE)."""
         checks = [
+            (self.top_k <= MAX_TOP_K, f"top_k must be at most {MAX_TOP_K}, got {self.top_k}"),
             (not 0 < self.temperature < MIN_TEMPERATURE,
              f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"),
             (not 0 < self.top_p < MIN_TOP_P, f"top_p must be at least {MIN_TOP_P:g}, got {self.top_p}"),

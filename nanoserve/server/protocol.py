@@ -14,6 +14,7 @@ from nanoserve.sampling.grammar import GrammarError, check_grammar, grammar_for
 from nanoserve.sampling.params import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
@@ -84,10 +85,13 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None, check=None, r
     if name not in body or body[name] is None:
         return default
     value = body[name]
+    if isinstance(value, float) and int in kinds and float not in kinds and value.is_integer():
+        value = int(value)  # 16.0: what JSON encoders write for a whole float (16.5 is still refused)
     if isinstance(value, bool) and bool not in kinds:  # True is an int in Python; not in JSON
         raise APIError(400, f"'{name}' must be {_kind_names(kinds)}, got a boolean", param=name)
     if not isinstance(value, kinds):
-        raise APIError(400, f"'{name}' must be {_kind_names(kinds)}, got {type(value).__name__}", param=name)
+        got = repr(value) if isinstance(value, float) else type(value).__name__
+        raise APIError(400, f"'{name}' must be {_kind_names(kinds)}, got {got}", param=name)
     if check is not None and not check(value):
         raise APIError(400, f"'{name}' {rule}, got {value!r}", param=name)
     return value
@@ -177,7 +181,7 @@ def sampling_params_from(body: dict, default_max_tokens: int) -> SamplingParams:
                                f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2]")),
         top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: MIN_TOP_P <= v <= 1,
                          f"must be in [{MIN_TOP_P:g}, 1]")),
-        top_k=_get(body, "top_k", (int,), 0, lambda v: v >= 0, "must be >= 0 (0 = off)"),
+        top_k=_get(body, "top_k", (int,), 0, lambda v: 0 <= v <= MAX_TOP_K, f"must be in [0, {MAX_TOP_K}] (0 = off)"),
         repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0,
                                       lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
                                       f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")),

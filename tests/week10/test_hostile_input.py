@@ -126,3 +126,30 @@ def test_more_choices_than_max_pending_is_a_400_not_a_429():
             assert resp.json()["error"]["param"] == param and "--max-pending 4" in resp.json()["error"]["message"]
         fits = httpx.post(url, json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2}, timeout=60)
         assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
+
+
+# -------------------------------------------------------------------- integers written as floats
+
+
+def test_whole_number_floats_are_integers(connection):
+    # what Python clients and JSON encoders send for a whole float
+    resp = connection.post("/v1/completions", json={"model": "tiny", "prompt": "The list", "max_tokens": 4.0,
+                                                    "n": 2.0, "seed": 3.0, "logprobs": 1.0, "top_k": 5.0,
+                                                    "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert len(body["choices"]) == 2 and body["usage"]["completion_tokens"] == 8
+    assert all(len(c["logprobs"]["tokens"]) == 4 for c in body["choices"])
+    chat = connection.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                         "max_completion_tokens": 2.0, "logprobs": True,
+                                                         "top_logprobs": 2.0})
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("name,value", [("max_tokens", 16.5), ("n", 2.5), ("seed", 0.1), ("logprobs", 1.5),
+                                        ("max_tokens", float("inf")), ("top_k", 2**31), ("top_k", 10**19)])
+def test_fractions_and_out_of_range_integers_are_400s(connection, name, value):
+    body = {"model": "tiny", "prompt": "The list", "max_tokens": 2, name: value}
+    resp = connection.post("/v1/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == name
