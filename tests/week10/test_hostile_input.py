@@ -15,7 +15,7 @@ from nanoserve.sampling.params import (
     MIN_TOP_P,
     SamplingParams,
 )
-from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, APIError, load_json
+from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_STOP, APIError, load_json
 from nanoserve.testing import ServerThread
 
 CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'  # a body, open
@@ -153,3 +153,18 @@ def test_fractions_and_out_of_range_integers_are_400s(connection, name, value):
     resp = connection.post("/v1/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == name
+
+
+# ----------------------------------------------------------------------------- up to 16 stop strings
+
+
+def test_sixteen_stop_strings_and_a_clear_400_past_them(connection):
+    kw = {"model": "tiny", "prompt": "Return the", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = connection.post("/v1/completions", json=kw).json()["choices"][0]["text"]
+    stop = full[3:6]
+    many = [f"zz{i}" for i in range(MAX_STOP - 1)] + [stop]  # as lm-eval sends: every `until` string
+    choice = connection.post("/v1/completions", json={**kw, "stop": many}).json()["choices"][0]
+    assert choice["text"] == full[: full.find(stop)] and choice["finish_reason"] == "stop"
+    resp = connection.post("/v1/completions", json={**kw, "stop": many + ["one more"]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop"
+    assert f"at most {MAX_STOP}" in resp.json()["error"]["message"] and f"{MAX_STOP + 1} strings" in resp.text

@@ -5,6 +5,8 @@ import httpx
 import pytest
 from openai import BadRequestError
 
+from nanoserve.server import protocol
+
 
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
@@ -117,7 +119,7 @@ def test_max_completion_tokens(client):
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": "3"}, "max_completion_tokens"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(protocol.MAX_STOP + 1)]}, "stop"),  # 16: more than OpenAI's 4
     ({"stop": ["a", ""]}, "stop"),
     ({"stop": ["a", 1]}, "stop"),
     ({"stop": 1}, "stop"),
