@@ -104,6 +104,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def models():
         return handlers.list_models(state)
 
+    @app.get("/v1/models/{model_id:path}")  # :path, as a model id may hold a slash (org/name)
+    async def model(model_id: str):
+        return handlers.retrieve_model(state, model_id)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handlers.completions(state, request)

@@ -30,6 +30,7 @@ import pickle
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import httpx
@@ -101,7 +102,8 @@ def estimate_tokens(body: dict, count) -> int:
 
 def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) -> FastAPI:
     """The front's app: /v1/completions and /v1/chat/completions routed (streamed through as
-    they come), /v1/models from the first healthy replica, /health summing them all up."""
+    they come), /v1/models and /v1/models/{id} from the first healthy replica, /health summing
+    them all up."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
 
     @contextlib.asynccontextmanager
@@ -125,6 +127,10 @@ def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) ->
     @app.get("/v1/models")
     async def models(request: Request):
         return await first_healthy_models(client, router, request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        return await first_healthy_models(client, router, request, "/v1/models/" + urllib.parse.quote(model_id))
 
     @app.get("/health")
     async def health():
@@ -176,13 +182,14 @@ async def forward(client: httpx.AsyncClient, router: Router, count, request: Req
     return StreamingResponse(relay(), status_code=response.status_code, headers=passed)
 
 
-async def first_healthy_models(client: httpx.AsyncClient, router: Router, request: Request):
-    """`GET /v1/models`, as the first healthy replica answers it."""
+async def first_healthy_models(client: httpx.AsyncClient, router: Router, request: Request,
+                               path: str = "/v1/models"):
+    """`GET /v1/models` (or `path`, one model of it), as the first healthy replica answers it."""
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
     for replica in router.replicas:
         if replica.healthy:
             try:
-                r = await client.get(replica.url + "/v1/models", headers=headers)
+                r = await client.get(replica.url + path, headers=headers)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.TransportError:
                 continue

@@ -94,8 +94,21 @@ def metrics_page(state: ServerState) -> Response:
 
 def list_models(state: ServerState) -> dict:
     """`GET /v1/models`: the one model served."""
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "nanoserve", "max_model_len": state.engine.max_model_len}]}
+    return {"object": "list", "data": [model_card(state)]}
+
+
+def retrieve_model(state: ServerState, model_id: str) -> dict:
+    """`GET /v1/models/{id}`: the served model, or a 404 for any other id."""
+    if model_id != state.model_name:
+        raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+    return model_card(state)
+
+
+def model_card(state: ServerState) -> dict:
+    """The served model, as OpenAI's model object (and its context length, as vLLM adds)."""
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanoserve",
+            "max_model_len": state.engine.max_model_len}
 
 
 # ----------------------------------------------------------------------------- the requests

@@ -168,3 +168,18 @@ def test_sixteen_stop_strings_and_a_clear_400_past_them(connection):
     resp = connection.post("/v1/completions", json={**kw, "stop": many + ["one more"]})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop"
     assert f"at most {MAX_STOP}" in resp.json()["error"]["message"] and f"{MAX_STOP + 1} strings" in resp.text
+
+
+# ------------------------------------------------------------------------------ GET /v1/models/{id}
+
+
+def test_retrieve_the_served_model(server, client):
+    model = client.models.retrieve("tiny")  # what the official client's models.retrieve needs
+    assert model.id == "tiny" and model.object == "model" and model.owned_by == "nanoserve"
+    assert httpx.get(server.url + "/v1/models/tiny").json() == httpx.get(server.url + "/v1/models").json()["data"][0]
+    for other in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M"):  # a slash is part of the id, not another route
+        resp = httpx.get(f"{server.url}/v1/models/{other}")
+        assert resp.status_code == 404, resp.text
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found"
+        assert other in error["message"] and "tiny" in error["message"]

@@ -120,6 +120,8 @@ def test_streams_pass_through_and_health_reports_each_replica(front):
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     assert [s["healthy"] for s in health.json()["replicas"]] == [True, True, False]
     assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(url + "/v1/models/tiny", timeout=30).json()["id"] == "tiny"  # issue 30
+    assert httpx.get(url + "/v1/models/org/other", timeout=30).json()["error"]["code"] == "model_not_found"
     bad = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 0}, timeout=30)
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]  # the replica's own answer
 
