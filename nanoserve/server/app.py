@@ -21,6 +21,8 @@ a 400 naming it (`check_fields`; docs/openai_api.md lists every field and its st
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 
 from nanoserve.engine.async_engine import AsyncEngine
@@ -28,6 +30,8 @@ from nanoserve.server import handlers
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.protocol import APIError
+
+logger = logging.getLogger("nanoserve.server")
 
 
 class Guard:
@@ -60,7 +64,30 @@ class Guard:
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
+            await self.answer_errors(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    async def answer_errors(self, scope, receive, send):
+        """Run the app; an exception no handler took (a bug, not the client's fault) becomes a 500
+        in OpenAI's shape here. Left to Starlette's outer error middleware, it would be re-raised to
+        uvicorn after the 500, and uvicorn closes the connection: the client's next keep-alive
+        request would fail too."""
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:
+                raise  # the response is under way: too late for an error body
+            logger.exception("internal error on %s %s", scope.get("method"), scope["path"])
+            message = f"internal error: {type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
+            await APIError(500, message, type_="server_error").response()(scope, receive, send)
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -86,10 +113,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):  # a bug, not the client's fault
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").response()
 
     @app.get("/health")
     async def health():

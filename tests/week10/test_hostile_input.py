@@ -183,3 +183,20 @@ def test_retrieve_the_served_model(server, client):
         error = resp.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found"
         assert other in error["message"] and "tiny" in error["message"]
+
+
+# ---------------------------------------------------------------------------- a 500 (a bug)
+
+
+def test_a_500_keeps_the_connection_usable(server, connection, monkeypatch):
+    from nanoserve.server import handlers
+
+    def broken(state):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(handlers, "list_models", broken)
+    resp = connection.get("/v1/models")
+    assert resp.status_code == 500 and resp.json()["error"] == {
+        "message": "internal error: RuntimeError: a bug", "type": "server_error", "param": None, "code": None}
+    monkeypatch.undo()
+    assert connection.get("/v1/models").status_code == 200  # the same keep-alive connection
