@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server import handlers
@@ -113,6 +114,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException):  # 404 no such route, 405 wrong method
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
 
     @app.get("/health")
     async def health():

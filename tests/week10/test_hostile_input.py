@@ -200,3 +200,12 @@ def test_a_500_keeps_the_connection_usable(server, connection, monkeypatch):
         "message": "internal error: RuntimeError: a bug", "type": "server_error", "param": None, "code": None}
     monkeypatch.undo()
     assert connection.get("/v1/models").status_code == 200  # the same keep-alive connection
+
+
+def test_routing_errors_come_in_openai_shape(server):
+    missing = httpx.get(server.url + "/v1/engines")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert "/v1/engines" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
