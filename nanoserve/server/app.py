@@ -21,6 +21,7 @@ a 400 naming it (`check_fields`; docs/openai_api.md lists every field and its st
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -56,7 +57,7 @@ class Guard:
             headers = dict(scope["headers"])
             error = None
             if self.api_key is not None and scope["path"].startswith("/v1/"):
-                if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                if not self.authorized(headers.get(b"authorization", b"")):
                     error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                      code="invalid_api_key", type_="authentication_error")
             length = headers.get(b"content-length", b"")
@@ -68,6 +69,13 @@ class Guard:
             await self.answer_errors(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def authorized(self, authorization: bytes) -> bool:
+        """`Authorization: Bearer <key>`, the scheme in any case (HTTP's schemes are case-insensitive),
+        the key compared in constant time (`==` stops at the first wrong byte, which a patient
+        attacker can time)."""
+        scheme, _, key = authorization.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key.encode())
 
     async def answer_errors(self, scope, receive, send):
         """Run the app; an exception no handler took (a bug, not the client's fault) becomes a 500

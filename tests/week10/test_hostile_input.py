@@ -209,3 +209,14 @@ def test_routing_errors_come_in_openai_shape(server):
     wrong = httpx.get(server.url + "/v1/completions")
     assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
     assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_bearer_scheme_in_any_case():
+    with ServerThread(api_key="sesame") as s:
+        body = {"model": "tiny", "prompt": "The list", "max_tokens": 2}
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            ok = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": f"{scheme} sesame"})
+            assert ok.status_code == 200, (scheme, ok.text)
+        for value in ("bearer sesam", "bearer sesame2", "Basic sesame", "sesame", "bearer"):
+            resp = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": value})
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", value
