@@ -116,9 +116,15 @@ def model_card(state: ServerState) -> dict:
 
 async def read_json(state: ServerState, request: Request) -> dict:
     """The body: a JSON object that names the model served."""
-    raw = await request.body()
-    if len(raw) > state.max_body_bytes:  # no Content-Length (chunked upload): check what arrived
-        raise APIError(413, f"request body larger than {state.max_body_bytes} bytes", code="body_too_large")
+    # Without a Content-Length (a chunked upload) the Guard cannot refuse it up front: count the
+    # bytes as they arrive, and stop reading at the limit rather than buffer a body of any size.
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.max_body_bytes:
+            raise APIError(413, f"request body larger than {state.max_body_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     body = load_json(raw)  # within the limits on nesting, integers and Unicode
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

@@ -25,13 +25,14 @@ def state(**kwargs) -> ServerState:
 
 
 class FakeRequest:
-    """What `read_json` reads of a Starlette request: its body."""
+    """What `read_json` reads of a Starlette request: its body, as it arrives (in 1,000-byte chunks)."""
 
     def __init__(self, body: bytes):
         self._body = body
 
-    async def body(self) -> bytes:
-        return self._body
+    async def stream(self):
+        for start in range(0, len(self._body), 1000):
+            yield self._body[start:start + 1000]
 
 
 def test_health_and_models():

@@ -220,3 +220,15 @@ def test_the_bearer_scheme_in_any_case():
         for value in ("bearer sesam", "bearer sesame2", "Basic sesame", "sesame", "bearer"):
             resp = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": value})
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", value
+
+
+def test_a_chunked_body_over_the_limit_is_a_413():
+    def chunks():  # no Content-Length: the Guard cannot see the size up front
+        for _ in range(8):
+            yield b" " * 500
+
+    with ServerThread(max_body_bytes=1000) as s:
+        resp = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+        small = (b'{"model": "tiny", "prompt": "The list", "max_tokens": 2}',)
+        assert httpx.post(s.url + "/v1/completions", content=iter(small)).status_code == 200
