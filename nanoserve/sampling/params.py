@@ -72,8 +72,8 @@ class SamplingParams:
              f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"),
             (not 0 < self.top_p < MIN_TOP_P, f"top_p must be at least {MIN_TOP_P:g}, got {self.top_p}"),
             (not (0 < self.repetition_penalty < MIN_REPETITION_PENALTY or self.repetition_penalty > MAX_REPETITION_PENALTY),
-             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
-             f"got {self.repetition_penalty}"),
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got "
+             + str(self.repetition_penalty)),
         ]
         for ok, message in checks:
             if not ok:

@@ -15,7 +15,13 @@ from nanoserve.sampling.params import (
     MIN_TOP_P,
     SamplingParams,
 )
-from nanoserve.server.protocol import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_STOP, APIError, load_json
+from nanoserve.server.protocol import (
+    MAX_INT_DIGITS,
+    MAX_JSON_DEPTH,
+    MAX_STOP,
+    APIError,
+    load_json,
+)
 from nanoserve.testing import ServerThread
 
 CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'  # a body, open
