@@ -105,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig.from_args(args))
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
     app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, metrics=args.metrics, log_requests=args.log_requests)
+                     max_body_bytes=args.max_body_bytes, metrics=args.metrics, log_requests=args.log_requests,
+                     body_timeout=args.body_timeout)
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
           f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="for uvicorn's and nanoserve's own loggers (default: info)")
     srv.add_argument("--log-requests", action="store_true",

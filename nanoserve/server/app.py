@@ -21,6 +21,7 @@ a 400 naming it (`check_fields`; docs/openai_api.md lists every field and its st
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
@@ -35,14 +36,18 @@ from nanoserve.server.protocol import APIError
 
 logger = logging.getLogger("nanoserve.server")
 
+BODY_TIMEOUT = 30.0  # seconds the server waits for each piece of a request body
+
 
 class Guard:
-    """Authentication and the body size limit, checked before any handler reads the body; and
-    (week 16) every response's status handed to `on_response(path, status)`."""
+    """Authentication and the body size limit, checked before any handler reads the body; the
+    body's arrival timed (`body_timeout` seconds); and (week 16) every response's status handed to
+    `on_response(path, status)`."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_response=None):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_response=None,
+                 body_timeout: float = BODY_TIMEOUT):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.on_response = on_response
+        self.on_response, self.body_timeout = on_response, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
@@ -82,7 +87,21 @@ class Guard:
         in OpenAI's shape here. Left to Starlette's outer error middleware, it would be re-raised to
         uvicorn after the 500, and uvicorn closes the connection: the client's next keep-alive
         request would fail too."""
-        started = False
+        started, body_done = False, scope.get("method") in ("GET", "HEAD")
+
+        async def timed_receive():
+            # A client that sends less than its Content-Length would hold the connection forever.
+            # Once the body is complete, receive() only waits for a disconnect: no limit then.
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                               code="body_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
 
         async def tracked_send(message):
             nonlocal started
@@ -90,7 +109,7 @@ class Guard:
             await send(message)
 
         try:
-            await self.app(scope, receive, tracked_send)
+            await self.app(scope, timed_receive, tracked_send)
         except Exception as exc:
             if started:
                 raise  # the response is under way: too late for an error body
@@ -101,7 +120,7 @@ class Guard:
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
-               metrics: bool = True, log_requests: bool = False) -> FastAPI:
+               metrics: bool = True, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
     with the server's `ServerState` (also at `app.state.server`). `metrics`: serve `GET /metrics`
     (week 16); `log_requests`: one JSON line per finished request on the `nanoserve.requests` logger."""
@@ -116,7 +135,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
     # disconnects from the handlers, and we need them to abort abandoned requests.
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                        on_response=state.metrics.observe_http if state.metrics else None)
 
     @app.exception_handler(APIError)

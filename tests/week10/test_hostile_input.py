@@ -238,3 +238,28 @@ def test_a_chunked_body_over_the_limit_is_a_413():
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
         small = (b'{"model": "tiny", "prompt": "The list", "max_tokens": 2}',)
         assert httpx.post(s.url + "/v1/completions", content=iter(small)).status_code == 200
+
+
+def test_a_body_that_stalls_is_a_408():
+    import socket
+    import time
+
+    with ServerThread(app_kwargs={"body_timeout": 0.5}) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny"')  # 16 bytes of the 100 promised
+            start = time.monotonic()
+            answer = b""
+            while not answer.endswith(b"}}"):  # the error body's end
+                answer += sock.recv(4096)
+            assert time.monotonic() - start < 5
+            while sock.recv(4096):  # and the connection is closed (it cannot be reused), within the socket timeout
+                pass
+        assert answer.startswith(b"HTTP/1.1 408") and b'"code":"body_timeout"' in answer, answer
+        ok = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "The list", "max_tokens": 2})
+        assert ok.status_code == 200  # and a slow stream of tokens is not a slow body:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "The list", "max_tokens": 40, "ignore_eos": True,
+                                "stream": True}) as r, s.slowed(0.03):
+            assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
