@@ -26,6 +26,7 @@ import hmac
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncEngine
@@ -33,6 +34,7 @@ from nanoserve.server import handlers
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.protocol import APIError
+from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -153,7 +155,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return handlers.health(state)
 
     if state.metrics is not None:
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus's text format
         async def metrics_endpoint():
             return handlers.metrics_page(state)
 
@@ -165,12 +167,18 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def model(model_id: str):
         return handlers.retrieve_model(state, model_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         return await handlers.completions(state, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await handlers.chat_completions(state, request)
 
+    def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
+        if app.openapi_schema is None:
+            app.openapi_schema = add_request_models(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

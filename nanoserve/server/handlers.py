@@ -33,6 +33,7 @@ from nanoserve.server.protocol import (
     APIError,
     check_fields,
     check_model,
+    check_schema,
     choice_params,
     load_json,
     openai_fields,
@@ -152,6 +153,7 @@ async def completions(state: ServerState, request: Request):
     prompt_ids = [prompt_token_ids(state, p, name) for p, name in zip(prompts, names)]
     for ids, name in zip(prompt_ids, names):
         check_length(state, ids, params, name)
+    check_schema(body, chat=False)
     echoed = [p if isinstance(p, str) else state.engine.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
     return await respond(state, request, body, prompt_ids, params, chat=False, n=n, echo=echoed if echo else None)
 
@@ -197,6 +199,7 @@ async def chat_completions(state: ServerState, request: Request):
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     check_length(state, prompt_ids, params, "messages")
+    check_schema(body, chat=True)
     return await respond(state, request, body, [prompt_ids], params, chat=True, n=n, tools=tools)
 
 

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from nanoserve.sampling.grammar import GrammarError, check_grammar, grammar_for
 from nanoserve.sampling.params import (
@@ -22,15 +23,7 @@ from nanoserve.sampling.params import (
     SEED_MIN,
     SamplingParams,
 )
-
-# Every request field of the two endpoints that the server accepts: OpenAI's (see docs/openai_api.md
-# for what each one does here) and nanoserve's own. Anything else is refused with a 400 naming it:
-# a field silently ignored is a question answered as if it had not been asked.
-SHARED_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "n",
-                 "stream", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                 "response_format",  # a nanoserve extension on /v1/completions (as in vLLM)
-                 "user",  # informational only: no effect on generation
-                 "top_k", "repetition_penalty", "ignore_eos", "priority"}  # nanoserve's own
+from nanoserve.server.schema import MAX_N, MAX_STOP, ChatCompletionRequest, CompletionRequest, first_error
 
 NOT_SUPPORTED = {  # OpenAI's fields this server refuses, and why
     "suffix": "this server does not insert text before a suffix",
@@ -49,8 +42,6 @@ MESSAGE_FIELDS = {  # the keys a message of each role may have (tool calls and t
     "assistant": {"role", "content", "tool_calls"}, "tool": {"role", "content", "tool_call_id"},
 }
 
-MAX_N = 128  # choices per prompt (OpenAI's limit)
-MAX_STOP = 16  # stop strings per request (OpenAI takes 4; evaluation harnesses send more)
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other, in a body or a tool call's `arguments`
 MAX_INT_DIGITS = 20  # digits of a JSON integer: enough for any 64-bit seed
 
@@ -58,12 +49,11 @@ _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"')  # a string literal, whose br
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair
 
-COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo", "best_of"}
-
-CHAT_FIELDS = SHARED_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                               # informational only, or accepted at their default value (checked below)
-                               "metadata", "safety_identifier", "prompt_cache_key", "store", "service_tier",
-                               "modalities"}
+# Every request field of the two endpoints that the server accepts is a field of its model in
+# nanoserve/server/schema.py (docs/openai_api.md says what each one does). Anything else is refused
+# with a 400 naming it: a field silently ignored is a question answered as if it had not been asked.
+COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields)
+CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 
 
 class APIError(Exception):
@@ -272,6 +262,19 @@ def check_fields(body: dict, chat: bool) -> None:
             if key not in ("include_usage", "include_obfuscation") or not isinstance(options[key], bool):
                 raise APIError(400, f"'stream_options.{key}' is not supported (include_usage and include_obfuscation, "
                                     "booleans, are)", param=f"stream_options.{key}")
+
+
+def check_schema(body: dict, chat: bool) -> None:
+    """The last check before the engine: the body conforms to its request model
+    (nanoserve/server/schema.py), the contract /openapi.json publishes. The checks above come
+    first because they say more (which part of a message is an image, why a field is refused);
+    this one refuses whatever they let through that the published schema does not allow."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        param, message = first_error(e, body)
+        raise APIError(400, message, param=param or None) from None
 
 
 def check_model(body: dict, model_name: str) -> None:

@@ -56,7 +56,7 @@ HOSTILE = [  # (name, path, raw body, the error's param, a word of its message)
     ("logit_bias key in Arabic-Indic digits", "/v1/completions", COMPLETION + ', "logit_bias": {"\u0661\u0662": 1}}',
      "logit_bias.\u0661\u0662", "ASCII"),
     ("logit_bias key of 5,000 ASCII digits", "/v1/completions", COMPLETION + ', "logit_bias": {"' + "1" * 5000 + '": 1}}',
-     "logit_bias." + "1" * 5000, "token ids"),
+     "logit_bias." + "1" * 5000, "token id"),
 ]
 
 
