@@ -2,7 +2,6 @@
 would write them (its names, its Q/K row order, each storage type)."""
 
 import json
-import math
 import os
 
 import gguf
