@@ -45,7 +45,7 @@ def _whole_number(value: Any) -> Any:
 
 def Int(ge: int | None = None, le: int | None = None, description: str | None = None) -> Any:  # noqa: N802
     """An integer field (a whole-number float accepted) in [ge, le]."""
-    return Annotated[int, BeforeValidator(_whole_number), Field(ge=ge, le=le, description=description)]
+    return Annotated[int, Field(ge=ge, le=le, description=description), BeforeValidator(_whole_number)]
 
 
 def Number(ge: float, le: float, description: str | None = None) -> Any:  # noqa: N802
