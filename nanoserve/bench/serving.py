@@ -137,6 +137,7 @@ def engine_options(args: argparse.Namespace) -> list[str]:
              ("--no-fused-kernels", args.fused_kernels is False), ("--enable-prefix-caching", args.enable_prefix_caching),
              ("--no-enable-prefix-caching", args.enable_prefix_caching is False),
              ("--enable-chunked-prefill", args.enable_chunked_prefill),
+             ("--no-enable-chunked-prefill", args.enable_chunked_prefill is False),
              ("--async-scheduling", args.async_scheduling is True), ("--no-async-scheduling", args.async_scheduling is False)]
     if args.speculative:
         out += ["--num-speculative-tokens", str(args.num_speculative_tokens),
