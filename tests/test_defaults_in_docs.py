@@ -19,8 +19,8 @@ was true on the day it was measured):
    by its flag (`--enable-prefix-caching`, `--no-metrics`), by its field name in backticks
    (`max_num_seqs`), or by a name in prose from `PROSE` ("prefix caching", "speculative
    decoding"). A sentence that names none takes the subject of the sentence before it in the same
-   paragraph, then of its section's heading ("Off by default; ..." under "## Week 15: chunked
-   prefill").
+   paragraph, then of its section's heading ("Off by default; ..." under "## Week 17: speculative
+   decoding").
 4. A statement about a case ("on the CPU", "with CUDA graphs", "in your workspace", "once week 14
    is done") is not about the default everyone gets, and is left out (`QUALIFIERS`), as are the
    options whose default depends on the machine or the model (`DEPENDS_ON_CONTEXT`) and the
@@ -403,7 +403,8 @@ KNOWN = [
     ("README.md", "enable_prefix_caching", "Prefix caching is on by default"),
     ("weeks/README.md", "enable_prefix_caching", "On by default (`--no-enable-prefix-caching`"),
     ("docs/glossary.md", "enable_prefix_caching", "On by default; `--no-enable-prefix-caching`"),
-    ("docs/architecture.md", "enable_chunked_prefill", "Off by default; the budget"),
+    ("docs/architecture.md", "max_num_batched_tokens", "2,048 by default"),
+    ("docs/glossary.md", "enable_chunked_prefill", "On by"),
     ("weeks/week08/README.md", "max_num_seqs", "(default 256)"),
     ("weeks/week18/README.md", "distributed_timeout", "300 by default"),
     ("docs/openai_api.md", "max_pending", "(default 512)"),
