@@ -15,12 +15,14 @@ was true on the day it was measured):
 2. A sentence states a default when it holds one of the phrases of `SWITCH_PHRASES` ("on by
    default", "Off by default", "default: off") or `VALUE_PHRASES` ("(default 256)", "default:
    fcfs", "defaults to 1", "300 by default").
-3. Its subject is the option named nearest to the phrase in the sentence (before it on a tie):
-   by its flag (`--enable-prefix-caching`, `--no-metrics`), by its field name in backticks
-   (`max_num_seqs`), or by a name in prose from `PROSE` ("prefix caching", "speculative
-   decoding"). A sentence that names none takes the subject of the sentence before it in the same
-   paragraph, then of its section's heading ("Off by default; ..." under "## Week 17: speculative
-   decoding").
+3. Its subject is an option named by its flag (`--enable-prefix-caching`, `--no-metrics`), by its
+   field name in backticks (`max_num_seqs`), or by a name in prose from `PROSE` ("prefix
+   caching", "speculative decoding"): the one named last before the phrase in its clause, else in
+   its sentence ("both default to 1": the last two). A sentence that starts with the phrase ("Off
+   by default: `--speculative ngram` turns it on") takes the option named after it; one that
+   names no option at all takes the subject of the sentences before it in its paragraph, then of
+   its section's heading ("Off by default; ..." under "## Week 17: speculative decoding"), then
+   of its page's title.
 4. A statement about a case ("on the CPU", "with CUDA graphs", "in your workspace", "once week 14
    is done") is not about the default everyone gets, and is left out (`QUALIFIERS`), as are the
    options whose default depends on the machine or the model (`DEPENDS_ON_CONTEXT`) and the
