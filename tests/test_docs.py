@@ -7,7 +7,9 @@
 - every ```mermaid block in `docs/architecture.md` is exactly one of the `diagrams/*.mmd`
   sources, so the page GitHub draws and the SVGs cannot drift apart;
 - every relative link or image in the top-level pages, `docs/`, `diagrams/` and `weeks/` that
-  names a .md, .svg or .png file points to a file that exists.
+  names a .md, .svg or .png file points to a file that exists;
+- every headline figure of a lesson is in `docs/benchmarks.md`, the record of every GPU
+  measurement (see `headline_figures`).
 
 Plain text parsing only: no network, no browser, no Mermaid.
 """
@@ -214,3 +216,98 @@ def test_relative_links_point_to_existing_files(page: Path):
         if path is not None and not (page.parent / path).exists():
             missing.append(target)
     assert not missing, f"{_id(page)} links to files that do not exist: {', '.join(missing)}"
+
+
+# ------------------------------------------------------------------------------ headline figures
+
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+UNIT = r"(?:ms|µs|s|×|%|tok/s|(?:output )?tokens (?:per|a) second|times)(?![\w/])"
+# A figure, or a list of them sharing one unit: "2.4 ms", "1.9 to 7.6 ms", "35.7, 44.6 and 49.3 ms".
+MORE = rf"(?:,\s*(?:{NUMBER}))*,?\s+and\s+(?:{NUMBER})|\s+to\s+(?:{NUMBER})|\s*[–→]\s*(?:{NUMBER})"
+FIGURES = re.compile(rf"(?<![\w.,])((?:{NUMBER})(?:{MORE})?)\s*{UNIT}")
+MEASURED_ON = re.compile(r"\bH100\b|\bH200\b|benchmarks\.md")
+
+
+def headline_figures(lesson: str) -> list[tuple[str, str]]:
+    """A lesson's headline figures, as (figure, the text around it): the figures of its opening
+    (the text above its first `## ` heading) that come with a unit of time, speed or ratio (ms,
+    µs, s, tok/s, tokens per second, ×, times, %), in a paragraph that says where they were
+    measured (an H100, an H200, or docs/benchmarks.md). Code is left out."""
+    opening = re.split(r"^## ", lesson, maxsplit=1, flags=re.MULTILINE)[0]
+    opening = INLINE_CODE.sub("", FENCED_CODE.sub("", opening))
+    found = []
+    for paragraph in re.split(r"\n\s*\n", opening):
+        paragraph = " ".join(paragraph.split())
+        if not MEASURED_ON.search(paragraph):
+            continue
+        for m in FIGURES.finditer(paragraph):
+            found += [(n, m.group(0)) for n in re.findall(NUMBER, m.group(1))]
+    return found
+
+
+def recorded(figure: str, record: str) -> bool:
+    """Whether a figure is in the record, as written or rounded: "717" matches 717.4, "4.0" matches
+    4.03, and "32,000" (zeros after a thousands separator) any figure from 31,500 to 32,499."""
+    digits = figure.replace(",", "")
+    if "." in digits:
+        resolution = 10.0 ** -len(digits.split(".")[1])
+    elif "," in figure:
+        resolution = 10.0 ** (len(digits) - len(digits.rstrip("0")))
+    else:
+        resolution = 1.0
+    value = float(digits)
+    return any(abs(float(n.replace(",", "")) - value) <= resolution / 2 + 1e-9 for n in re.findall(NUMBER, record))
+
+
+def lessons() -> list[Path]:
+    return sorted((ROOT / "weeks").glob("*/README.md"))
+
+
+def test_headline_figures_are_found():
+    lesson = (
+        "# Week 99 — a lesson\n\n"
+        "On an H100 it decodes at 614.5 tokens per second, 25.9 times HF, and the gap was 1.9 to 7.6 ms;\n"
+        "the tail 35.7, 44.6 and 49.3 ms at 8, 24 and 64 requests per second, from `--rates 8,24` (5 ms).\n\n"
+        "A hypothetical step of 20 ms is not a measurement (no machine named here).\n\n"
+        "## 1. Later\n\nOn an H100: 123.4 ms, not the headline.\n"
+    )
+    assert [f for f, _ in headline_figures(lesson)] == ["614.5", "25.9", "1.9", "7.6", "35.7", "44.6", "49.3", "5"]
+
+
+def test_recorded_allows_rounding_only():
+    record = "| 717.4 tok/s | 4.03× | 32,451 and 34,337 | 1,382 ms |"
+    assert all(recorded(f, record) for f in ["717", "717.4", "4.0", "32,000", "34,000", "1,382"])
+    assert not any(recorded(f, record) for f in ["718", "4.1", "33,000", "1,383", "2,703", "717.5"])
+
+
+@pytest.mark.parametrize("lesson", lessons(), ids=_id)
+def test_headline_figures_are_in_benchmarks(lesson: Path):
+    record = BENCHMARKS.read_text(encoding="utf-8")
+    figures = headline_figures(lesson.read_text(encoding="utf-8"))
+    missing = [(f, where) for f, where in figures if not recorded(f, record)]
+    assert not missing, (
+        f"{_id(lesson)} opens with figures that docs/benchmarks.md does not record: "
+        + "; ".join(f"{f} (in '{where}')" for f, where in missing)
+        + ". Quote the record's figures (a lesson may round them), or record the measurement first."
+    )
+
+
+def test_lessons_have_headline_figures():
+    """The check above is not vacuous: the bonus weeks that measured something open with it."""
+    with_figures = [p for p in lessons() if headline_figures(p.read_text(encoding="utf-8"))]
+    assert len(with_figures) >= 4, f"headline figures found only in {[_id(p) for p in with_figures]}"
+
+
+def test_a_planted_figure_is_caught(tmp_path: Path):
+    """A lesson that quotes a run the record does not hold fails, with the figure named."""
+    record = BENCHMARKS.read_text(encoding="utf-8")
+    lesson = tmp_path / "README.md"
+    lesson.write_text(
+        "# Week 14 (bonus) — Prefix caching\n\n"
+        "On an H100 it cuts the median time to first token from 1,382 ms to 342 ms, and from\n"
+        "2,703 ms to 323.5 ms in a run the table discards.\n\n## 1. Next\n",
+        encoding="utf-8",
+    )
+    missing = [f for f, _ in headline_figures(lesson.read_text(encoding="utf-8")) if not recorded(f, record)]
+    assert missing == ["2,703", "323.5"]
