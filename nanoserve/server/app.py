@@ -113,7 +113,7 @@ class CORS(CORSMiddleware):
             return response
         refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
         return APIError(400, f"CORS preflight refused (not allowed: {refused}; see --allowed-origins)",
-                        code="cors_not_allowed", headers={"Vary": response.headers["vary"]}).response()
+                        code="cors_not_allowed", headers={"Vary": response.headers.get("vary", "Origin")}).response()
 
 
 class Guard:
@@ -140,8 +140,7 @@ class Guard:
         if allowed_origins:
             self.checked = CORS(self.check_and_run, allow_origins=list(allowed_origins),
                                 allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type"],
-                                allow_private_network=True)  # a listed page may call a server on this machine
+                                allow_headers=["Authorization", "Content-Type"])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
