@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.engine import Engine
-    from nanoserve.server.app import create_app
+    from nanoserve.server.app import create_app, guard_options
+    from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     _configure_logging(args.log_level)
     if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/server/data_parallel.py)
@@ -104,14 +105,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(args, args.argv)
     engine = Engine(EngineConfig.from_args(args))
     async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
-    app = create_app(async_engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, metrics=args.metrics, log_requests=args.log_requests,
-                     body_timeout=args.body_timeout)
+    app = create_app(async_engine, args.served_model_name or str(args.model), metrics=args.metrics,
+                     log_requests=args.log_requests, **guard_options(args))
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
           f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol)
     finally:
         async_engine.shutdown()
     return 0
@@ -149,6 +149,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if first_divergence(diffs, args.rtol) is None else 1
 
 
+def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
+    """`nanoserve serve`'s own options (the engine's come from `EngineConfig.add_arguments`)."""
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="run this many engine replicas (each with --tensor-parallel-size GPUs) on ports "
+                          "--port+1.. behind a front on --port that routes each request to the replica with the "
+                          "fewest outstanding tokens (week 18)")
+    srv.add_argument("--replica-start-timeout", type=float, default=600.0,
+                     help="--data-parallel-size: seconds to wait for the replicas to be healthy")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics (the docs "
+                          "pages /docs, /redoc and /openapi.json included, unless --public-docs)")
+    srv.add_argument("--public-docs", action="store_true",
+                     help="with --api-key: serve /docs, /redoc and /openapi.json without the key (default: off)")
+    srv.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                     help="Host header names the server answers to, besides localhost, 127.0.0.1 and [::1] "
+                          "(any port; comma-separated or repeated; '*' for any). Default: those three on a "
+                          "loopback --host (against DNS rebinding), any on another address")
+    srv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                     help="web origins (https://app.example:8443) whose pages may call the server: CORS "
+                          "(comma-separated or repeated; '*' for any). Default: none")
+    srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
+    srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="for uvicorn's and nanoserve's own loggers (default: info)")
+    srv.add_argument("--log-requests", action="store_true",
+                     help="one JSON line per finished request on stderr (id, lengths, TTFT, end-to-end time, "
+                          "finish reason; default: off)")
+    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
+                     help="do not serve GET /metrics (Prometheus text format; default: served)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,27 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(func=cmd_compare)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="run this many engine replicas (each with --tensor-parallel-size GPUs) on ports "
-                          "--port+1.. behind a front on --port that routes each request to the replica with the "
-                          "fewest outstanding tokens (week 18)")
-    srv.add_argument("--replica-start-timeout", type=float, default=600.0,
-                     help="--data-parallel-size: seconds to wait for the replicas to be healthy")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
-    srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                     help="for uvicorn's and nanoserve's own loggers (default: info)")
-    srv.add_argument("--log-requests", action="store_true",
-                     help="one JSON line per finished request on stderr (id, lengths, TTFT, end-to-end time, "
-                          "finish reason; default: off)")
-    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
-                     help="do not serve GET /metrics (Prometheus text format; default: served)")
+    _add_serve_arguments(srv)
     EngineConfig.add_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -269,7 +269,11 @@ class ServerThread:
 
         import uvicorn
 
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        from nanoserve.server.http11 import OpenAIErrorH11Protocol
+
+        # as `nanoserve serve` runs it: the protocol that answers malformed HTTP in OpenAI's shape
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                http=OpenAIErrorH11Protocol)
         self.server = uvicorn.Server(config)
         self.async_engine.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -17,17 +17,26 @@ Every error a client can cause comes back as OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, and the server
 goes on serving. Nothing is silently ignored: a field the server does not honour is refused with
 a 400 naming it (`check_fields`; docs/openai_api.md lists every field and its status).
+
+Safe to run on a machine where a browser runs, by default: a body must be declared JSON (no web
+page can send that without the server's consent), a server on loopback answers only to its own
+names (no DNS rebinding), and no page of another origin may read an answer unless
+`--allowed-origins` lists it (docs/openai_api.md, "Browser safety").
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import re
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server import handlers
@@ -39,17 +48,101 @@ from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, ad
 logger = logging.getLogger("nanoserve.server")
 
 BODY_TIMEOUT = 30.0  # seconds the server waits for each piece of a request body
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host names a loopback server answers to
+OPEN_PATHS = ("/health", "/metrics")  # never behind the API key: probes and scrapers carry no secret
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # FastAPI's own pages
+BODY_METHODS = ("POST", "PUT", "PATCH")  # methods whose body the server reads: it must be JSON
+HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.]*\]|[^\[\]:]*)(?::[0-9]*)?")  # name[:port], name maybe [IPv6]
+
+
+def host_name(value: str) -> str | None:
+    """The name in a Host header, lower case and without port or brackets (`[::1]:8000` -> `::1`);
+    None if the value is not a host name and port."""
+    m = HOST_HEADER.fullmatch(value.strip().lower())
+    return m["name"].strip("[]") if m else None
+
+
+def host_names(allowed: Sequence[str] | None) -> set[str] | None:
+    """`allowed` as `host_name` reads them; None (any host) for None or `*`."""
+    if allowed is None or "*" in allowed:
+        return None
+    bad = [h for h in allowed if host_name(h) is None]
+    if bad:
+        raise ValueError(f"not a host name (--allowed-hosts): {', '.join(bad)}")
+    return {host_name(h) for h in allowed}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address (`--host`) is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost, or 0.0.0.0 / :: (every interface)
+
+
+def allowed_hosts_for(bind_host: str, extra: Sequence[str] = ()) -> list[str] | None:
+    """The Host names a server bound to `bind_host` answers to (any port), None for any: the
+    loopback names and `extra` for a loopback server or when `extra` is given, else any; `*` in
+    `extra` switches the check off."""
+    if "*" in extra:
+        return None
+    host_names(extra)  # a bad name fails here, at start-up, with the flag's name
+    return [*LOOPBACK_HOSTS, *extra] if extra or is_loopback(bind_host) else None
+
+
+def split_names(values: Sequence[str] | None) -> list[str]:
+    """`--allowed-hosts a,b --allowed-hosts c` (comma-separated, repeatable) -> ["a", "b", "c"]."""
+    return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
+
+def guard_options(args) -> dict:
+    """`Guard`'s settings from `nanoserve serve`'s flags (`args`, the parsed command line): the
+    keyword arguments `create_app` and the data-parallel front's `create_front` share."""
+    return dict(api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                allowed_hosts=allowed_hosts_for(args.host, split_names(args.allowed_hosts)),
+                allowed_origins=split_names(args.allowed_origins), public_docs=args.public_docs)
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS middleware, its refusal of a preflight in OpenAI's error shape (its own is
+    plain text). A refused preflight has no `Access-Control-Allow-Origin`: the browser stops there."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        return APIError(400, f"CORS preflight refused (not allowed: {refused}; see --allowed-origins)",
+                        code="cors_not_allowed", headers={"Vary": response.headers.get("vary", "Origin")}).response()
 
 
 class Guard:
-    """Authentication and the body size limit, checked before any handler reads the body; the
-    body's arrival timed (`body_timeout` seconds); and (week 16) every response's status handed to
-    `on_response(path, status)`."""
+    """What is checked before any handler reads the body, in this order: the `Host` header (421, a
+    defence against DNS rebinding), CORS preflights (answered here when `allowed_origins` is set),
+    the API key (401; on every path but `OPEN_PATHS`), the body's `Content-Type` (415) and size
+    (413). Then the body's arrival is timed (`body_timeout` seconds), an exception no handler took
+    becomes a 500, and (week 16) every response's status is handed to `on_response(path, status)`.
+
+    `allowed_hosts`: the Host names served (any port); None or `*` for any. `allowed_origins`: the
+    web origins whose pages may call the server (CORS); none by default. `public_docs`: serve
+    FastAPI's /docs, /redoc and /openapi.json without the key."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, on_response=None,
-                 body_timeout: float = BODY_TIMEOUT):
+                 body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+                 allowed_origins: Sequence[str] = (), public_docs: bool = False):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
         self.on_response, self.body_timeout = on_response, body_timeout
+        self.hosts = host_names(allowed_hosts)
+        self.open_paths = OPEN_PATHS + (DOCS_PATHS if public_docs else ())
+        # CORS goes after the Host check and before the key: a browser sends its preflight (OPTIONS)
+        # without credentials, and the answers it may read, errors included, need CORS's headers.
+        self.checked = self.check_and_run
+        if allowed_origins:
+            self.checked = CORS(self.check_and_run, allow_origins=list(allowed_origins),
+                                allow_methods=["GET", "POST", "OPTIONS"],
+                                allow_headers=["Authorization", "Content-Type"])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
@@ -60,22 +153,60 @@ class Guard:
                     self.on_response(scope["path"], message["status"])
                 await inner_send(message)
 
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            error = None
-            if self.api_key is not None and scope["path"].startswith("/v1/"):
-                if not self.authorized(headers.get(b"authorization", b"")):
-                    error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                     code="invalid_api_key", type_="authentication_error")
-            length = headers.get(b"content-length", b"")
-            if error is None and length.isdigit() and int(length) > self.max_body_bytes:
-                error = APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="body_too_large")
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
-            await self.answer_errors(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        error = self.host_error(dict(scope["headers"]))
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        await self.checked(scope, receive, send)
+
+    async def check_and_run(self, scope, receive, send):
+        """The key, the body's type and size (each refused before a byte of the body is read); then the app."""
+        headers = dict(scope["headers"])
+        error = self.key_error(scope["path"], headers) or self.body_error(scope["method"], headers)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        await self.answer_errors(scope, receive, send)
+
+    def host_error(self, headers: dict) -> APIError | None:
+        """DNS rebinding: a page of evil.example, its name re-pointed at 127.0.0.1 after loading,
+        reaches a loopback server as the same origin, so the browser lets it read the answers. Its
+        requests still say `Host: evil.example`; a server that answers only to its own names stops it.
+        421 Misdirected Request: the request may be well formed, but it was meant for another server."""
+        if self.hosts is None:
+            return None
+        value = headers.get(b"host", b"").decode("latin-1")
+        if host_name(value) in self.hosts:
+            return None
+        return APIError(421, f"this server does not answer to the host {value!r} (allowed: "
+                             f"{', '.join(sorted(self.hosts))}; see --allowed-hosts)", code="host_not_allowed")
+
+    def key_error(self, path: str, headers: dict) -> APIError | None:
+        """With a key set, every path needs it but /health, /metrics (and the docs with `public_docs`)."""
+        if self.api_key is None or path in self.open_paths or self.authorized(headers.get(b"authorization", b"")):
+            return None
+        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                        code="invalid_api_key", type_="authentication_error")
+
+    def body_error(self, method: str, headers: dict) -> APIError | None:
+        """A body must say it is JSON. Why refuse one that does not, even if it parses: a web page
+        may POST `text/plain` (or a form) to any address without the browser asking the server
+        first (a CORS "simple request"), so a server that reads such a body runs generations for
+        any site its user visits. `application/json` makes the browser ask (a preflight), and
+        without --allowed-origins the answer is no. The size comes from Content-Length, before the
+        body is read; a chunked body is counted as it arrives (`read_json` in handlers.py)."""
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        if method in BODY_METHODS and content_type.partition(";")[0].strip().lower() != "application/json":
+            got = f"got {content_type!r}" if content_type else "got none"
+            return APIError(415, f"send the body as JSON with the header 'Content-Type: application/json' ({got})",
+                            code="unsupported_media_type")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="body_too_large")
+        return None
 
     def authorized(self, authorization: bytes) -> bool:
         """`Authorization: Bearer <key>`, the scheme in any case (HTTP's schemes are case-insensitive),
@@ -120,12 +251,34 @@ class Guard:
             await APIError(500, message, type_="server_error").response()(scope, receive, send)
 
 
+async def api_error(request: Request, exc: APIError):
+    """An `APIError` raised in a route: its OpenAI-shaped response."""
+    return exc.response()
+
+
+async def routing_error(request: Request, exc: HTTPException):
+    """Starlette's own errors (404 no such route, 405 wrong method) in OpenAI's shape."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error an app's routes raise in OpenAI's shape (the data-parallel front uses this too)."""
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, routing_error)
+
+
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
-               metrics: bool = True, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+               metrics: bool = True, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
+               allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS, allowed_origins: Sequence[str] = (),
+               public_docs: bool = False) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
     with the server's `ServerState` (also at `app.state.server`). `metrics`: serve `GET /metrics`
-    (week 16); `log_requests`: one JSON line per finished request on the `nanoserve.requests` logger."""
+    (week 16); `log_requests`: one JSON line per finished request on the `nanoserve.requests` logger.
+    `allowed_hosts`, `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for
+    a server on loopback; `allowed_hosts_for` gives them for another address)."""
     app = FastAPI(title="nanoserve", version="0.1.0")
     state = ServerState(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                         default_max_tokens=default_max_tokens, metrics=ServerMetrics(engine) if metrics else None)
@@ -138,17 +291,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
     # disconnects from the handlers, and we need them to abort abandoned requests.
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                       on_response=state.metrics.observe_http if state.metrics else None)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(HTTPException)
-    async def routing_error(request: Request, exc: HTTPException):  # 404 no such route, 405 wrong method
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+                       on_response=state.metrics.observe_http if state.metrics else None,
+                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health():

@@ -37,6 +37,16 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.server.app import (
+    BODY_TIMEOUT,
+    LOOPBACK_HOSTS,
+    Guard,
+    add_error_handlers,
+    guard_options,
+)
+from nanoserve.server.handlers import MAX_BODY_BYTES
+from nanoserve.server.protocol import APIError
+
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -100,10 +110,14 @@ def estimate_tokens(body: dict, count) -> int:
     return sum(p + max_tokens for p in prompts) * n
 
 
-def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) -> FastAPI:
+def create_front(replica_urls: list[str], count=None, timeout: float = 600.0, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT,
+                 allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), public_docs: bool = False) -> FastAPI:
     """The front's app: /v1/completions and /v1/chat/completions routed (streamed through as
     they come), /v1/models and /v1/models/{id} from the first healthy replica, /health summing
-    them all up."""
+    them all up. The address clients see is the front's, so it applies the single server's
+    checks itself (the same `Guard`: Host, CORS, key, Content-Type, body size; the keyword
+    arguments are `create_app`'s), and its own errors come in the same OpenAI shape."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
 
     @contextlib.asynccontextmanager
@@ -112,6 +126,9 @@ def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) ->
         await client.aclose()
 
     app = FastAPI(title="nanoserve data-parallel front", lifespan=lifespan)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
+    add_error_handlers(app)  # 404, 405, and the Guard's 408 raised while a body is read
     router = Router([Replica(u) for u in replica_urls])
     app.state.router = router
     count = count or (lambda text: max(1, len(text) // 4))
@@ -139,9 +156,9 @@ def create_front(replica_urls: list[str], count=None, timeout: float = 600.0) ->
     return app
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": None}}, status_code=status)
+def no_replica() -> JSONResponse:
+    return APIError(503, "no replica is healthy (see /health)", code="no_healthy_replica",
+                    type_="server_error").response()
 
 
 async def forward(client: httpx.AsyncClient, router: Router, count, request: Request, path: str):
@@ -159,7 +176,7 @@ async def forward(client: httpx.AsyncClient, router: Router, count, request: Req
         try:
             replica = router.pick(tokens)
         except LookupError:
-            return error_response(503, "no replica is healthy (see /health)")
+            return no_replica()
         upstream = client.build_request("POST", replica.url + path, content=raw, headers=headers)
         try:
             response = await client.send(upstream, stream=True)
@@ -193,7 +210,7 @@ async def first_healthy_models(client: httpx.AsyncClient, router: Router, reques
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.TransportError:
                 continue
-    return error_response(503, "no replica is healthy (see /health)")
+    return no_replica()
 
 
 async def health_report(client: httpx.AsyncClient, router: Router) -> JSONResponse:
@@ -252,6 +269,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     import uvicorn
 
     from nanoserve.engine.tokenizer import Tokenizer
+    from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     n, tp = args.data_parallel_size, args.tensor_parallel_size
     cuda = (args.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
@@ -267,9 +285,10 @@ def serve_data_parallel(args, argv: list[str]) -> int:
             urls.append(f"http://127.0.0.1:{port}")
         wait_healthy(urls, procs, timeout=args.replica_start_timeout)
         tokenizer = Tokenizer(args.model)
-        app = create_front(urls, count=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+        app = create_front(urls, count=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+                           **guard_options(args))
         print(f"nanoserve: {n} replicas ({', '.join(urls)}) behind http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol)
     finally:
         for p in procs:
             p.terminate()

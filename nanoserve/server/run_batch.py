@@ -246,7 +246,8 @@ async def _serve(engine, todo: list[Item], output_path: Path, model_name: str, d
     async_engine = AsyncEngine(engine, max_pending=sys.maxsize).start()
     try:
         options = {} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}
-        app = create_app(async_engine, model_name, metrics=False, **options)
+        # allowed_hosts=None: no socket, so no browser (and no DNS rebinding) can reach this app
+        app = create_app(async_engine, model_name, metrics=False, allowed_hosts=None, **options)
         # raise_app_exceptions=False: a bug in a handler is that line's 500 record, not the end of the run
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
