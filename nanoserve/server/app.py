@@ -39,11 +39,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers
+from nanoserve.server import handlers, tokenize
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.protocol import APIError
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
+from nanoserve.server.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -320,9 +321,24 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat_completions(request: Request):
         return await handlers.chat_completions(state, request)
 
+    # The tokenizer, for clients that must count tokens as the server does (lm-eval's remote
+    # tokenizer): at the root, where vLLM serves them and lm-eval looks (nanoserve/server/tokenize.py).
+    @app.post(tokenize.TOKENIZE_PATH,
+              openapi_extra=tokenize.request_body_one_of(TokenizeCompletionRequest, TokenizeChatRequest))
+    async def tokenize_endpoint(request: Request):
+        return await tokenize.tokenize(state, request)
+
+    @app.post(tokenize.DETOKENIZE_PATH, openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize_endpoint(request: Request):
+        return await tokenize.detokenize(state, request)
+
+    @app.get(tokenize.TOKENIZER_INFO_PATH)
+    async def tokenizer_info():
+        return tokenize.tokenizer_info(state)
+
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:
-            app.openapi_schema = add_request_models(FastAPI.openapi(app))
+            app.openapi_schema = tokenize.add_tokenizer_models(add_request_models(FastAPI.openapi(app)))
         return app.openapi_schema
 
     app.openapi = openapi
