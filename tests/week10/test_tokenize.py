@@ -176,8 +176,6 @@ def test_the_api_key_opens_the_tokenizer_endpoints(keyed_server):
         assert resp.status_code == 200, resp.text
 
 
-@pytest.mark.xfail(strict=True, reason="the Guard (nanoserve/server/app.py) checks the key on /v1/* only; it "
-                                       "must also check tokenize.TOKENIZER_PATHS")
 def test_the_tokenizer_endpoints_need_the_api_key(keyed_server):
     for method, path, body in TOKENIZER_CALLS:
         resp = httpx.request(method, keyed_server.url + path, json=body)
