@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic.json_schema import models_json_schema
 
 from nanoserve.sampling.params import (
@@ -53,6 +53,15 @@ def Number(ge: float, le: float, description: str | None = None) -> Any:  # noqa
     return Annotated[float, Field(ge=ge, le=le, description=description)]
 
 
+def _false_only(value: bool) -> bool:
+    if value:
+        raise ValueError("should be false")
+    return value
+
+
+# `false` and nothing else. Not Literal[False]: Pydantic's literal check compares with ==, and
+# 0 == 0.0 == False in Python, so it would take a number the published schema (const false) refuses.
+FalseOnly = Annotated[bool, AfterValidator(_false_only), WithJsonSchema({"type": "boolean", "const": False})]
 TokenId = Annotated[int, Field(ge=0, description="a token id, below the model's vocabulary size")]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
@@ -209,7 +218,7 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = Field(None, description="no effect")
     safety_identifier: str | None = Field(None, description="no effect")
     prompt_cache_key: str | None = Field(None, description="no effect: the prefix cache keys by content")
-    store: Literal[False] | None = Field(None, description="false only: nothing is stored")
+    store: FalseOnly | None = Field(None, description="false only: nothing is stored")
     service_tier: Literal["auto", "default"] | None = Field(None, description="one tier (see priority)")
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = Field(
         None, description='["text"] only')

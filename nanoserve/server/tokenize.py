@@ -19,7 +19,7 @@ what a schema cannot say (token ids below the vocabulary size).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import Request
 from pydantic import BaseModel, Field, ValidationError
@@ -32,7 +32,7 @@ from nanoserve.server.protocol import (
     load_json,
     template_messages,
 )
-from nanoserve.server.schema import Message, Strict, TokenId, first_error
+from nanoserve.server.schema import FalseOnly, Message, Strict, TokenId, first_error
 
 # The routes' paths. They are outside /v1/, where the Guard checks the API key by default: it must
 # name these too (a client with the key sends it here as well: lm-eval's `auth_token`).
@@ -63,7 +63,7 @@ class TokenizeChatRequest(Strict):
         None, description="end with the assistant's header, as a chat request does (default true)")
     # The chat template writes the special tokens itself: adding the tokenizer's own on top would
     # double the BOS. vLLM's default is false too; true is refused rather than ignored.
-    add_special_tokens: Literal[False] | None = Field(None, description="false only: the template writes them")
+    add_special_tokens: FalseOnly | None = Field(None, description="false only: the template writes them")
     return_token_strs: bool | None = RETURN_TOKEN_STRS
 
 

@@ -69,7 +69,7 @@ def test_metrics_is_text(openapi):
      "messages[0].content[0].text", "valid string"),
     ({"model": "t", "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
      "tool_choice.function", "required"),
-    ({"model": "t", "messages": [{"role": "user", "content": "x"}], "store": True}, "store", "False"),
+    ({"model": "t", "messages": [{"role": "user", "content": "x"}], "store": True}, "store", "should be false"),
 ])
 def test_check_schema_names_the_deepest_field_at_fault(body, param, word):
     """A union (str | list[...], a message by role) reports one error per branch; the server

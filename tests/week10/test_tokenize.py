@@ -116,10 +116,13 @@ def test_bad_bodies_are_refused(server, path, body, status, param, words):
     assert_error(post(server, path, body), status, param, *words)
 
 
+JSON = {"Content-Type": "application/json"}  # a body sent as anything else is a 415 (browser safety)
+
+
 def test_body_limits_apply(server):
     """The bodies are read as every other endpoint's: JSON within the limits, the size counted as
     it arrives (a chunked upload, with no Content-Length for the Guard to check)."""
-    resp = httpx.post(server.url + "/tokenize", content=b'{"prompt": "x",', timeout=60)
+    resp = httpx.post(server.url + "/tokenize", content=b'{"prompt": "x",', headers=JSON, timeout=60)
     assert_error(resp, 400, None, "not valid JSON")
     deep: list = []
     for _ in range(70):  # past MAX_JSON_DEPTH (64)
@@ -130,7 +133,8 @@ def test_body_limits_apply(server):
         for _ in range(1100):
             yield b" " * 1024
 
-    assert_error(httpx.post(server.url + "/tokenize", content=chunks(), timeout=60), 413, None, "larger than")
+    assert_error(httpx.post(server.url + "/tokenize", content=chunks(), headers=JSON, timeout=60), 413, None,
+                 "larger than")
     assert post(server, "/tokenize", {"prompt": "x", "model": None, "return_token_strs": None}).status_code == 200
 
 
