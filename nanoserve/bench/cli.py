@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanoserve.bench import prefix, spec
+from nanoserve.bench import alternate, prefix, spec
 from nanoserve.bench.common import int_pair
 from nanoserve.bench.latency import bench_latency
 from nanoserve.bench.serving import bench_serving
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "own; serving: serve them behind the data-parallel front (week 18)")
     prefix.add_arguments(p)
     spec.add_arguments(p)
+    alternate.add_arguments(p)  # --repeats, --run-timeout of prefix and spec
     EngineConfig.add_arguments(p)  # the engine's own options: --model, --device, --max-num-seqs, ...
 
 
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     todo = ["latency", "throughput", "serving"] if args.what == "all" else [args.what]
     if args.runs is not None and (args.check or "latency" not in todo):
         raise ValueError(f"--runs sets the timed runs of latency, not of {'--check' if args.check else args.what}")
+    if args.repeats is not None and (args.check or set(todo) - {"prefix", "spec"}):
+        raise ValueError(f"--repeats sets the processes per setting of prefix and spec, not of "
+                         f"{'--check' if args.check else args.what}")
     if args.check:
         from nanoserve.bench.capstone import TRACKS, run_check
 

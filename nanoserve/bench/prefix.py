@@ -2,7 +2,9 @@
 
     nanoserve bench prefix --model DIR [--quick]
 
-Three offline workloads, each run with prefix caching off and on (one engine each):
+Three offline workloads, each run with prefix caching off and on, one engine per run and every
+run in a fresh process, off and on alternated, --repeats times each (3; nanoserve/bench/alternate.py
+says why): the table gives the median of the runs and their range.
 - shared prefixes: a few long system prompts, many short questions after each, all at once;
 - multi-turn chats: conversations that resend their whole history every turn (the next turn
   is sent when the previous answer is complete);
@@ -18,6 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+from nanoserve.bench.alternate import Summary, as_json, describe, repeats_of, run_alternated, summarize, with_spread
 from nanoserve.bench.common import (
     free_gpu,
     print_table,
@@ -87,14 +90,17 @@ def run_multi_turn(engine, vocab: int, conversations: int, turns: int, first_len
 
 
 def measure(config, workload: str, args, vocab: int) -> dict:
-    """One engine, one workload: the row of the table."""
+    """One engine, one workload: one run of a row of the table (bench_prefix calls it in a fresh
+    process for every run)."""
     import time
 
     from nanoserve.engine.engine import Engine
 
     engine = Engine(config)
     device = str(engine.runner.device)
-    warm, _ = throughput_workload(4, vocab, (8, 32), (8, 8), seed=99)  # compiles kernels, not timed
+    # Not timed: compiles this process's kernels (a fresh process has none), so that the run times
+    # the workload and not Triton or torch compiling.
+    warm, _ = throughput_workload(4, vocab, (8, 32), (8, 8), seed=99)
     run_offline(engine, warm, [8] * 4)
     before_tokens = engine.scheduler.num_scheduled_tokens
     before_stats = engine.prefix_cache_stats()
@@ -138,22 +144,26 @@ def bench_prefix(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     vocab = vocab_size_of(model_dir)
     base = replace(EngineConfig.from_args(args), model=model_dir, batching="continuous")
-    rows = []
-    order = {"both": (True, False) if args.caching_first else (False, True), "on": (True,), "off": (False,)}
+    sides = {"both": (True, False) if args.caching_first else (False, True), "on": (True,), "off": (False,)}
+    repeats = repeats_of(args)
+    rows, summaries = [], []
     for workload in args.workloads.split(","):
-        pair = {c: measure(replace(base, enable_prefix_caching=c), workload, args, vocab) for c in order[args.caching]}
-        rows += [pair[c] for c in (False, True) if c in pair]
+        # Each run of each side in a fresh process, the sides alternated (nanoserve/bench/alternate.py
+        # says why): two engines in one process ran at speeds that depended on their order.
+        configs = {f"caching {'on' if c else 'off'}": (replace(base, enable_prefix_caching=c), workload, args, vocab)
+                   for c in sides[args.caching]}
+        runs = run_alternated(measure, configs, repeats, args.run_timeout, what=f"bench prefix, {workload}")
+        for label in ("caching off", "caching on"):
+            if label in runs:
+                summaries.append(summarize(runs[label]))
+                rows.append(as_json(summaries[-1]))
     for on, off in zip(rows[1::2], rows[::2]) if args.caching == "both" else ():
+        # the ratios of the medians
         on["prefill_saving"] = off["prefilled_tokens"] / max(1, on["prefilled_tokens"])
         on["ttft_p50_speedup"] = off["ttft_p50_ms"] / on["ttft_p50_ms"]
         on["throughput_vs_off"] = on["output_tok_s"] / off["output_tok_s"]
-    print_table("prefix caching, off and on", rows,
-                [("workload", "workload", ""), ("caching", "caching", ""), ("prefilled_tokens", "prefilled", ",d"),
-                 ("hit_rate", "hit rate", ".3f"), ("output_tok_s", "output tok/s", ",.0f"),
-                 ("ttft_p50_ms", "TTFT p50 ms", ",.1f"), ("ttft_p99_ms", "TTFT p99 ms", ",.1f"),
-                 ("prefill_saving", "prefill ÷", ".2f"), ("ttft_p50_speedup", "TTFT p50 ÷", ".2f"),
-                 ("throughput_vs_off", "tok/s vs off", ".3f")])
-    result = dict(model=str(args.model), num_systems=args.num_systems, per_system=args.per_system,
+    print_prefix_table(rows, summaries, repeats)
+    result = dict(model=str(args.model), repeats=repeats, num_systems=args.num_systems, per_system=args.per_system,
                   system_len=args.system_len, question_len=args.question_len, output_len=args.prefix_output_len,
                   conversations=args.conversations, turns=args.turns, first_len=args.first_len,
                   random_requests=args.num_requests, random_prompt_len=args.prompt_range,
@@ -166,6 +176,21 @@ def bench_prefix(args) -> dict:
 
     save_and_plot(args, "prefix_caching", result, draw)
     return result
+
+
+def print_prefix_table(rows: list[dict], summaries: list[Summary], repeats: int) -> None:
+    """The table: each measured cell the median of the runs with their range; the ratios are
+    those of the medians."""
+    spread_columns = [("prefilled_tokens", ",.0f"), ("hit_rate", ".3f"), ("output_tok_s", ",.0f"),
+                      ("ttft_p50_ms", ",.1f"), ("ttft_p99_ms", ",.1f")]
+    cells = [dict(row, **{key: with_spread(s, key, fmt) for key, fmt in spread_columns})
+             for row, s in zip(rows, summaries)]
+    print_table(f"prefix caching, off and on: {describe(repeats)}", cells,
+                [("workload", "workload", ""), ("caching", "caching", ""), ("prefilled_tokens", "prefilled", ""),
+                 ("hit_rate", "hit rate", ""), ("output_tok_s", "output tok/s", ""),
+                 ("ttft_p50_ms", "TTFT p50 ms", ""), ("ttft_p99_ms", "TTFT p99 ms", ""),
+                 ("prefill_saving", "prefill ÷", ".2f"), ("ttft_p50_speedup", "TTFT p50 ÷", ".2f"),
+                 ("throughput_vs_off", "tok/s vs off", ".3f")])
 
 
 def add_arguments(p) -> None:
@@ -183,10 +208,9 @@ def add_arguments(p) -> None:
     g.add_argument("--first-len", type=int_pair, default=(200, 800), help="prefix: first message lengths LOW,HIGH")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix: which workloads, comma-separated")
     g.add_argument("--caching-first", action="store_true",
-                   help="prefix: run each workload with caching on first, then off (default: off first)")
+                   help="prefix: alternate on, off, on, off, ... (default: off first)")
     g.add_argument("--caching", choices=["both", "on", "off"], default="both",
-                   help="prefix: one engine per workload only (on or off), to compare in separate processes: two "
-                        "engines built one after the other in one process do not run at the same speed")
+                   help="prefix: measure caching on and off (both, the default), or one side only")
 
 
 QUICK = dict(num_systems=2, per_system=3, system_len=(20, 40), question_len=(2, 8), prefix_output_len=(4, 8),

@@ -5,12 +5,18 @@
     nanoserve bench spec --model DIR --batch-sweep 1,2,4,8,16        # where guessing stops paying
 
 Default: a chat model answers two kinds of prompts, each alone (batch 1), greedy, with
-speculation off and on (two engines, runs alternated):
+speculation off and on:
 - copy-heavy: edit this code, summarise with quotes, extract fields from a text: the answer
   repeats the prompt, which prompt lookup can find;
 - open-ended chat: little to copy.
 For each: the acceptance rate, tokens per target step, decode speed off and on, and whether the
 text is identical (it must be: greedy verification changes nothing).
+
+In every experiment, each run of a side (speculation off, on) is an engine in a fresh process,
+off and on alternated, --repeats times each (3; nanoserve/bench/alternate.py says why); in each
+process every measurement runs --spec-runs times, the first warming up, and that process's figure
+is the median of the others. The tables give the median over the processes with their range; the
+speed-ups are the ratios of the medians.
 
 `--forced-acceptance P1,P2,...`: a timing experiment. Random guesses, each accepted with
 probability P whatever the target says, so each target step emits on average
@@ -26,6 +32,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from nanoserve.bench.alternate import Summary, as_json, describe, repeats_of, run_alternated, summarize, with_spread
 from nanoserve.bench.common import free_gpu, print_table, save_and_plot, sync_device
 
 CODE = '''def mean(values):
@@ -133,27 +140,40 @@ def decode_run(engine, prompt: list[int], max_tokens: int) -> dict:
 
 
 def bench_spec(args) -> dict:
-    from nanoserve.engine.config import EngineConfig, default_device
-    from nanoserve.engine.engine import Engine
+    from nanoserve.engine.config import EngineConfig
     from nanoserve.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     base = replace(EngineConfig.from_args(args), model=model_dir, enable_prefix_caching=False)
-    if base.kv_cache_memory is None and (base.device or default_device()).startswith("cuda"):
-        # two engines in one GPU: each gets a fixed pool (ample at batch 1) instead of 90% of the memory
-        base = replace(base, kv_cache_memory=4 * 2**30)
     method = args.speculative or "ngram"
-    off = Engine(replace(base, speculative=None))
-    on = Engine(replace(base, speculative=method, speculative_max_batch=max(1, args.speculative_max_batch)))
+    on = replace(base, speculative=method, speculative_max_batch=max(1, args.speculative_max_batch))
+    # Each run of each side in a fresh process, off and on alternated (nanoserve/bench/alternate.py
+    # says why): a second engine in the same process starts from the state the first one left.
+    runs = run_alternated(measure_side, {"off": (args, replace(base, speculative=None)), "on": (args, on)},
+                          repeats_of(args), args.run_timeout, what="bench spec, speculation")
     if args.forced_acceptance:
-        result = _forced_sweep(args, off, on)
+        return _forced_report(args, runs)
+    if args.batch_sweep:
+        return _batch_report(args, runs, method)
+    return _workloads_report(args, runs, method)
+
+
+def measure_side(args, config) -> list[dict]:
+    """One run of one side (in its own process): an engine with speculation off or on, through the
+    experiment `args` ask for -> its rows, each the median of --spec-runs runs but the first (which
+    warms up: it compiles this process's kernels for the prompt's shapes)."""
+    from nanoserve.engine.engine import Engine
+
+    engine = Engine(config)
+    if args.forced_acceptance:
+        rows = _forced_rows(args, engine)
     elif args.batch_sweep:
-        result = _batch_sweep(args, off, on, method)
+        rows = _batch_rows(args, engine)
     else:
-        result = _workloads(args, off, on, method)
-    del off, on
+        rows = _workload_rows(args, engine)
+    del engine
     free_gpu()
-    return result
+    return rows
 
 
 def _prompt_ids(engine, text: str) -> list[int]:
@@ -164,32 +184,52 @@ def _prompt_ids(engine, text: str) -> list[int]:
         return tok.encode(text)
 
 
-def _workloads(args, off, on, method: str) -> dict:
+def _median_after_warmup(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs[1:] or runs)  # run 1 warms up
+
+
+def _summarized_rows(runs: dict[str, list[list[dict]]], side: str) -> list[Summary]:
+    """One side's runs (each a list of rows) -> for each row, its median and range over the runs."""
+    return [summarize([run[j] for run in runs[side]]) for j in range(len(runs[side][0]))]
+
+
+def _workload_rows(args, engine) -> list[dict]:
     rows = []
     for workload, texts in WORKLOADS.items():
         for text in texts[: args.spec_prompts]:
-            prompt = _prompt_ids(off, text)
-            runs_off, runs_on = [], []
-            for _ in range(args.spec_runs):  # alternated, so drift hits both sides alike
-                runs_off.append(decode_run(off, prompt, args.new_tokens))
-                runs_on.append(decode_run(on, prompt, args.new_tokens))
-            same = all(r["tokens"] == runs_off[0]["tokens"] for r in runs_off + runs_on)
-            tok_off = statistics.median(r["tok_s"] for r in runs_off[1:] or runs_off)  # run 1 warms up
-            tok_on = statistics.median(r["tok_s"] for r in runs_on[1:] or runs_on)
-            last = runs_on[-1]
-            rows.append(dict(workload=workload, prompt=text[:32].replace("\n", " "), tokens=last["n"],
-                             acceptance=last["acceptance"], tokens_per_step=last["tokens_per_step"],
-                             off_tok_s=tok_off, on_tok_s=tok_on, speedup=tok_on / tok_off, identical=same,
-                             off_runs=[r["tok_s"] for r in runs_off], on_runs=[r["tok_s"] for r in runs_on]))
-    print_table(f"speculative decoding at batch 1 ({method}, k={args.num_speculative_tokens}, greedy, "
-                f"up to {args.new_tokens} tokens; median of runs 2..{args.spec_runs})", rows,
+            prompt = _prompt_ids(engine, text)
+            runs = [decode_run(engine, prompt, args.new_tokens) for _ in range(args.spec_runs)]
+            last = runs[-1]
+            rows.append(dict(workload=workload, prompt=text[:32].replace("\n", " "), n=last["n"],
+                             tok_s=_median_after_warmup(runs, "tok_s"), acceptance=last.get("acceptance"),
+                             tokens_per_step=last.get("tokens_per_step"), texts=[r["tokens"] for r in runs]))
+    return rows
+
+
+def _workloads_report(args, runs: dict, method: str) -> dict:
+    rows, cells = [], []
+    for off, on in zip(_summarized_rows(runs, "off"), _summarized_rows(runs, "on")):
+        texts = [t for s in (off, on) for run in s.runs for t in run["texts"]]
+        same = all(t == texts[0] for t in texts)  # greedy: speculation changes no text, in any run or process
+        rows.append(dict(workload=on.median["workload"], prompt=on.median["prompt"], tokens=on.median["n"],
+                         acceptance=on.median["acceptance"], tokens_per_step=on.median["tokens_per_step"],
+                         off_tok_s=off.median["tok_s"], on_tok_s=on.median["tok_s"],
+                         speedup=on.median["tok_s"] / off.median["tok_s"], identical=same,
+                         off=as_json(off, leave_out=("texts",)), on=as_json(on, leave_out=("texts",))))
+        cells.append(dict(rows[-1], acceptance=with_spread(on, "acceptance", ".2f"),
+                          tokens_per_step=with_spread(on, "tokens_per_step", ".2f"),
+                          off_tok_s=with_spread(off, "tok_s", ".1f"), on_tok_s=with_spread(on, "tok_s", ".1f")))
+    repeats = len(runs["on"])
+    print_table(f"speculative decoding at batch 1 ({method}, k={args.num_speculative_tokens}, greedy, up to "
+                f"{args.new_tokens} tokens): {describe(repeats)}; in each, the median of runs 2..{args.spec_runs}",
+                cells,
                 [("workload", "workload", ""), ("prompt", "prompt", ""), ("tokens", "tokens", "d"),
-                 ("acceptance", "accepted", ".2f"), ("tokens_per_step", "tok/step", ".2f"),
-                 ("off_tok_s", "off tok/s", ".1f"), ("on_tok_s", "on tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
+                 ("acceptance", "accepted", ""), ("tokens_per_step", "tok/step", ""),
+                 ("off_tok_s", "off tok/s", ""), ("on_tok_s", "on tok/s", ""), ("speedup", "speed-up", ".2f"),
                  ("identical", "same text", "")])
     summary = {w: statistics.median(r["speedup"] for r in rows if r["workload"] == w) for w in WORKLOADS}
     print("median speed-up: " + ", ".join(f"{w} {s:.2f}x" for w, s in summary.items()))
-    result = dict(model=str(args.model), method=method, k=args.num_speculative_tokens, rows=rows,
+    result = dict(model=str(args.model), method=method, k=args.num_speculative_tokens, repeats=repeats, rows=rows,
                   median_speedup=summary, all_identical=all(r["identical"] for r in rows))
 
     def draw(ax):
@@ -205,34 +245,45 @@ def _workloads(args, off, on, method: str) -> dict:
     return result
 
 
-def _forced_sweep(args, off, on) -> dict:
-    from nanoserve.sampling.rejection import expected_tokens_per_step
-
-    vocab = off.model.config.vocab_size
+def _forced_rows(args, engine) -> list[dict]:
+    """Speculation off: one row, the plain decode. On: a row for each forced acceptance probability."""
+    vocab = engine.model.config.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-    base_runs = [decode_run(off, prompt, args.new_tokens) for _ in range(args.spec_runs)]
-    tok_off = statistics.median(r["tok_s"] for r in base_runs[1:] or base_runs)
-    decode_ms = statistics.median(r["step_ms"] for r in base_runs[1:] or base_runs)
-    on.speculator.proposer = RandomProposer(vocab)
-    k, rows = args.num_speculative_tokens, []
+    if engine.speculator is None:
+        runs = [decode_run(engine, prompt, args.new_tokens) for _ in range(args.spec_runs)]
+        return [dict(tok_s=_median_after_warmup(runs, "tok_s"), step_ms=_median_after_warmup(runs, "step_ms"))]
+    engine.speculator.proposer = RandomProposer(vocab)
+    rows = []
     for accept in map(float, args.forced_acceptance.split(",")):
-        on.speculator.accept = forced_verify(accept)
-        runs = [decode_run(on, prompt, args.new_tokens) for _ in range(args.spec_runs)]
-        used = runs[1:] or runs
-        tok_on = statistics.median(r["tok_s"] for r in used)
+        engine.speculator.accept = forced_verify(accept)
+        runs = [decode_run(engine, prompt, args.new_tokens) for _ in range(args.spec_runs)]
+        rows.append(dict(accept=accept, tokens_per_step=_median_after_warmup(runs, "tokens_per_step"),
+                         step_ms=_median_after_warmup(runs, "step_ms"), tok_s=_median_after_warmup(runs, "tok_s")))
+    return rows
+
+
+def _forced_report(args, runs: dict) -> dict:
+    from nanoserve.sampling.rejection import expected_tokens_per_step
+
+    (off,) = _summarized_rows(runs, "off")
+    k, rows, cells = args.num_speculative_tokens, [], []
+    for on in _summarized_rows(runs, "on"):
+        accept = on.median["accept"]
         rows.append(dict(accept=accept, expected_tokens_per_step=expected_tokens_per_step(accept, k),
-                         tokens_per_step=statistics.median(r["tokens_per_step"] for r in used),
-                         step_ms=statistics.median(r["step_ms"] for r in used), tok_s=tok_on,
-                         speedup=tok_on / tok_off, runs=[r["tok_s"] for r in runs]))
-    print(f"\nwithout speculation: {tok_off:.1f} tok/s, {decode_ms:.3f} ms per decode step")
-    print_table(f"forced acceptance, k={k}, batch 1, {args.new_tokens} tokens (each guess accepted with "
-                "probability P, whatever the target says: a timing experiment)", rows,
+                         tokens_per_step=on.median["tokens_per_step"], step_ms=on.median["step_ms"],
+                         tok_s=on.median["tok_s"], speedup=on.median["tok_s"] / off.median["tok_s"], on=as_json(on)))
+        cells.append(dict(rows[-1], **{key: with_spread(on, key, fmt) for key, fmt in
+                                       (("tokens_per_step", ".2f"), ("step_ms", ".3f"), ("tok_s", ".1f"))}))
+    print(f"\nwithout speculation: {with_spread(off, 'tok_s', '.1f')} tok/s, {with_spread(off, 'step_ms', '.3f')} ms "
+          "per decode step")
+    print_table(f"forced acceptance, k={k}, batch 1, {args.new_tokens} tokens (each guess accepted with probability "
+                f"P, whatever the target says: a timing experiment): {describe(len(runs['on']))}", cells,
                 [("accept", "P", ".2f"), ("expected_tokens_per_step", "(1-P^(k+1))/(1-P)", ".2f"),
-                 ("tokens_per_step", "tok/step", ".2f"), ("step_ms", "ms/step", ".3f"), ("tok_s", "tok/s", ".1f"),
+                 ("tokens_per_step", "tok/step", ""), ("step_ms", "ms/step", ""), ("tok_s", "tok/s", ""),
                  ("speedup", "speed-up", ".2f")])
-    result = dict(model=str(args.model), k=k, off_tok_s=tok_off, decode_step_ms=decode_ms,
-                  off_runs=[r["tok_s"] for r in base_runs], rows=rows)
+    result = dict(model=str(args.model), k=k, repeats=len(runs["on"]), off_tok_s=off.median["tok_s"],
+                  decode_step_ms=off.median["step_ms"], off=as_json(off), rows=rows)
 
     def draw(ax):
         ax.plot([r["accept"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured")
@@ -245,36 +296,46 @@ def _forced_sweep(args, off, on) -> dict:
     return result
 
 
-def _batch_sweep(args, off, on, method: str) -> dict:
-    """Output tokens/s of B requests decoding together (the copy-heavy prompts, cycled), with
-    speculation off and on, for each B: where does guessing stop paying?"""
+def _batch_rows(args, engine) -> list[dict]:
+    """Output tokens/s of B requests decoding together (the copy-heavy prompts, cycled), for each B."""
     from nanoserve.sampling.params import SamplingParams
 
-    on.speculator.max_batch = 10**9  # this sweep decides the limit: no limit while measuring it
-    prompts = [_prompt_ids(off, t) for t in WORKLOADS["copy"]]
+    if engine.speculator is not None:
+        engine.speculator.max_batch = 10**9  # this sweep decides the limit: no limit while measuring it
+    prompts = [_prompt_ids(engine, t) for t in WORKLOADS["copy"]]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    device = str(engine.runner.device)
     rows = []
     for batch in map(int, args.batch_sweep.split(",")):
-        speeds = {"off": [], "on": []}
+        speeds = []
         for _ in range(args.spec_runs):
-            for name, engine in (("off", off), ("on", on)):
-                for i in range(batch):
-                    engine.add_request(prompts[i % len(prompts)], params, stream=False)
-                engine.step()  # the prefills, not timed
-                sync_device(str(engine.runner.device))
-                start, tokens = time.perf_counter(), 0
-                while engine.has_unfinished():
-                    tokens += sum(len(o.token_ids) for o in engine.step() if o.finished)
-                sync_device(str(engine.runner.device))
-                speeds[name].append((tokens - batch) / (time.perf_counter() - start))
-        off_s, on_s = (statistics.median(speeds[k][1:] or speeds[k]) for k in ("off", "on"))
-        rows.append(dict(batch=batch, off_tok_s=off_s, on_tok_s=on_s, ratio=on_s / off_s,
-                         off_runs=speeds["off"], on_runs=speeds["on"]))
-    print_table(f"decodes together, {method} k={args.num_speculative_tokens}, copy-heavy prompts, "
-                f"{args.new_tokens} tokens each", rows,
-                [("batch", "batch", "d"), ("off_tok_s", "off tok/s", ",.0f"), ("on_tok_s", "on tok/s", ",.0f"),
+            for i in range(batch):
+                engine.add_request(prompts[i % len(prompts)], params, stream=False)
+            engine.step()  # the prefills, not timed
+            sync_device(device)
+            start, tokens = time.perf_counter(), 0
+            while engine.has_unfinished():
+                tokens += sum(len(o.token_ids) for o in engine.step() if o.finished)
+            sync_device(device)
+            speeds.append(dict(tok_s=(tokens - batch) / (time.perf_counter() - start)))
+        rows.append(dict(batch=batch, tok_s=_median_after_warmup(speeds, "tok_s")))
+    return rows
+
+
+def _batch_report(args, runs: dict, method: str) -> dict:
+    """Speculation off and on, for each number of decodes per step: where does guessing stop paying?"""
+    rows, cells = [], []
+    for off, on in zip(_summarized_rows(runs, "off"), _summarized_rows(runs, "on")):
+        rows.append(dict(batch=on.median["batch"], off_tok_s=off.median["tok_s"], on_tok_s=on.median["tok_s"],
+                         ratio=on.median["tok_s"] / off.median["tok_s"], off=as_json(off), on=as_json(on)))
+        cells.append(dict(rows[-1], off_tok_s=with_spread(off, "tok_s", ",.0f"),
+                          on_tok_s=with_spread(on, "tok_s", ",.0f")))
+    print_table(f"decodes together, {method} k={args.num_speculative_tokens}, copy-heavy prompts, {args.new_tokens} "
+                f"tokens each: {describe(len(runs['on']))}", cells,
+                [("batch", "batch", "d"), ("off_tok_s", "off tok/s", ""), ("on_tok_s", "on tok/s", ""),
                  ("ratio", "on / off", ".2f")])
-    result = dict(model=str(args.model), method=method, k=args.num_speculative_tokens, rows=rows)
+    result = dict(model=str(args.model), method=method, k=args.num_speculative_tokens, repeats=len(runs["on"]),
+                  rows=rows)
 
     def draw(ax):
         ax.plot([r["batch"] for r in rows], [r["ratio"] for r in rows], "o-")
@@ -293,7 +354,8 @@ def add_arguments(p) -> None:
                    "against the acceptance rate, and its ceiling")
     p.add_argument("--batch-sweep", default=None, help="spec: output tok/s with speculation off and on for these "
                    "numbers of requests decoding together (e.g. 1,2,4,8,16,32)")
-    p.add_argument("--spec-runs", type=int, default=3, help="spec: runs per prompt and setting (the first warms up)")
+    p.add_argument("--spec-runs", type=int, default=3, help="spec: runs per prompt in each process (the first warms "
+                   "up; the others' median is that process's figure)")
     p.add_argument("--spec-prompts", type=int, default=4, help="spec: prompts per workload")
 
 

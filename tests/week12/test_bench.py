@@ -96,3 +96,78 @@ def test_runs_is_honoured_by_latency_and_refused_elsewhere(tmp_path, capsys):
         capsys.readouterr()
         assert main(["bench", *argv, "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 2
         assert "--runs" in capsys.readouterr().err
+
+
+# ------------------------------------------- on/off comparisons: fresh processes, alternated (issue 31)
+
+
+def test_the_settings_alternate():
+    from nanoserve.bench.alternate import schedule
+
+    assert schedule(["off", "on"], 3) == [("off", 1), ("on", 1), ("off", 2), ("on", 2), ("off", 3), ("on", 3)]
+    assert schedule(["on"], 2) == [("on", 1), ("on", 2)]
+
+
+def test_every_run_is_a_fresh_process_and_the_runs_alternate():
+    """Each run's measurement returns when (time.time) and where (os.getpid) it ran: the runs of A
+    and B interleave A B A B ..., and no two share a process, nor with the parent."""
+    import os
+    import time
+
+    from nanoserve.bench.alternate import run_alternated
+
+    when = run_alternated(time.time, {"A": (), "B": ()}, repeats=3, timeout=120)
+    assert [len(when["A"]), len(when["B"])] == [3, 3]
+    order = sorted((t, label) for label, times in when.items() for t in times)
+    assert [label for _, label in order] == ["A", "B"] * 3
+    where = run_alternated(os.getpid, {"A": (), "B": ()}, repeats=2, timeout=120)
+    pids = where["A"] + where["B"]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+
+
+def test_the_median_and_the_spread():
+    from nanoserve.bench.alternate import as_json, summarize, with_spread
+
+    runs = [dict(tok_s=1260.0, n=5, hit=None, name="copy"), dict(tok_s=1200.0, n=5, hit=None, name="copy"),
+            dict(tok_s=1234.0, n=5, hit=None, name="copy")]
+    s = summarize(runs)
+    assert s.median == dict(tok_s=1234.0, n=5, hit=None, name="copy") and isinstance(s.median["n"], int)
+    assert s.spread == dict(tok_s=(1200.0, 1260.0), n=(5, 5))  # numbers only
+    assert with_spread(s, "tok_s", ",.0f") == "1,234 (1,200–1,260)"
+    assert with_spread(s, "n", "d") == "5"  # the runs agree: the value alone
+    assert with_spread(s, "hit", ".2f") is None  # no value: an empty cell
+    assert summarize([dict(x=1), dict(x=2)]).median["x"] == 1.5  # an even count: the mean of the middle two
+    assert summarize([dict(x=3), dict(x=8), dict(x=4), dict(x=100)]).median["x"] == 6.0
+    assert summarize([dict(x=True), dict(x=False)]).median["x"] is True  # a flag is no number
+    j = as_json(s, leave_out=("name",))
+    assert j["tok_s"] == 1234.0 and j["spread"]["tok_s"] == [1200.0, 1260.0] and "name" not in j
+    assert [r["tok_s"] for r in j["runs"]] == [1260.0, 1200.0, 1234.0]  # every run, in the order they ran
+
+
+def test_a_hung_run_is_killed_and_named():
+    import multiprocessing
+    import time
+
+    from nanoserve.bench.alternate import RunTimeout, run_alternated
+
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match=r"slow side, run 1 of 2 sent no result within 1 s"):
+        run_alternated(time.sleep, {"slow side": (600,)}, repeats=2, timeout=1, what="test")
+    assert time.monotonic() - start < 60
+    assert multiprocessing.active_children() == []  # killed, not left behind
+
+
+def test_a_failing_run_brings_back_its_traceback():
+    from nanoserve.bench.alternate import run_alternated
+
+    with pytest.raises(RuntimeError, match=r"(?s)bad, run 1 of 1 failed in its process.*ValueError"):
+        run_alternated(int, {"bad": ("not a number",)}, repeats=1, timeout=120)
+    with pytest.raises(ValueError, match="--repeats 0"):
+        run_alternated(int, {"bad": ("1",)}, repeats=0)
+
+
+def test_repeats_is_refused_where_nothing_is_compared(tmp_path, capsys):
+    for argv in (["latency"], ["throughput"], ["all"], ["serving", "--check", "capstone-cpu"]):
+        capsys.readouterr()
+        assert main(["bench", *argv, "--repeats", "2", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 2
+        assert "--repeats" in capsys.readouterr().err
