@@ -111,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
+                    timeout_keep_alive=args.keep_alive_timeout)
     finally:
         async_engine.shutdown()
     return 0
@@ -175,7 +176,10 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
     srv.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body)")
+                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body; "
+                          "default: 30)")
+    srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open between requests (default: 5)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="for uvicorn's and nanoserve's own loggers (default: info)")
     srv.add_argument("--log-requests", action="store_true",

@@ -244,7 +244,8 @@ class ServerThread:
     """
 
     def __init__(self, engine_kwargs: dict | None = None, model_name: str = "tiny", api_key: str | None = None,
-                 max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None):
+                 max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None,
+                 keep_alive_timeout: float = 5.0):
         import socket
 
         from nanoserve.engine.async_engine import AsyncEngine
@@ -262,6 +263,7 @@ class ServerThread:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.keep_alive_timeout = keep_alive_timeout
 
     def __enter__(self) -> "ServerThread":
         import threading
@@ -273,7 +275,7 @@ class ServerThread:
 
         # as `nanoserve serve` runs it: the protocol that answers malformed HTTP in OpenAI's shape
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                http=OpenAIErrorH11Protocol)
+                                http=OpenAIErrorH11Protocol, timeout_keep_alive=self.keep_alive_timeout)
         self.server = uvicorn.Server(config)
         self.async_engine.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)

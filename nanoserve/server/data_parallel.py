@@ -288,7 +288,8 @@ def serve_data_parallel(args, argv: list[str]) -> int:
         app = create_front(urls, count=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
                            **guard_options(args))
         print(f"nanoserve: {n} replicas ({', '.join(urls)}) behind http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
+                    timeout_keep_alive=args.keep_alive_timeout)
     finally:
         for p in procs:
             p.terminate()

@@ -262,3 +262,19 @@ def test_a_body_that_stalls_is_a_408():
             slow = httpx.post(s.url + "/v1/completions", timeout=30,
                               json={"model": "tiny", "prompt": "The list", "max_tokens": 40, "ignore_eos": True})
         assert slow.status_code == 200 and slow.json()["usage"]["completion_tokens"] == 40
+
+
+def test_an_idle_keep_alive_connection_closes_after_its_timeout():
+    """A client that opens a connection and sends nothing more holds a socket (and, by the
+    thousand, the server's file descriptors): it is closed after --keep-alive-timeout."""
+    import socket
+    import time
+
+    with ServerThread(keep_alive_timeout=0.5) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            start, answer = time.monotonic(), b""
+            while chunk := sock.recv(4096):  # the answer, then b"": closed by the server (else a 10 s timeout)
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - start < 3, answer  # uvicorn alone: 5 s
