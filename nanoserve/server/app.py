@@ -39,12 +39,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers, tokenize
+from nanoserve.server import handlers, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.protocol import APIError
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
-from nanoserve.server.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from nanoserve.server.tokenizer_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -322,23 +322,23 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return await handlers.chat_completions(state, request)
 
     # The tokenizer, for clients that must count tokens as the server does (lm-eval's remote
-    # tokenizer): at the root, where vLLM serves them and lm-eval looks (nanoserve/server/tokenize.py).
-    @app.post(tokenize.TOKENIZE_PATH,
-              openapi_extra=tokenize.request_body_one_of(TokenizeCompletionRequest, TokenizeChatRequest))
+    # tokenizer): at the root, where vLLM serves them and lm-eval looks (nanoserve/server/tokenizer_api.py).
+    @app.post(tokenizer_api.TOKENIZE_PATH,
+              openapi_extra=tokenizer_api.request_body_one_of(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize_endpoint(request: Request):
-        return await tokenize.tokenize(state, request)
+        return await tokenizer_api.tokenize(state, request)
 
-    @app.post(tokenize.DETOKENIZE_PATH, openapi_extra=request_body(DetokenizeRequest))
+    @app.post(tokenizer_api.DETOKENIZE_PATH, openapi_extra=request_body(DetokenizeRequest))
     async def detokenize_endpoint(request: Request):
-        return await tokenize.detokenize(state, request)
+        return await tokenizer_api.detokenize(state, request)
 
-    @app.get(tokenize.TOKENIZER_INFO_PATH)
+    @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
-        return tokenize.tokenizer_info(state)
+        return tokenizer_api.tokenizer_info(state)
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:
-            app.openapi_schema = tokenize.add_tokenizer_models(add_request_models(FastAPI.openapi(app)))
+            app.openapi_schema = tokenizer_api.add_tokenizer_models(add_request_models(FastAPI.openapi(app)))
         return app.openapi_schema
 
     app.openapi = openapi

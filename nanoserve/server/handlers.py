@@ -115,8 +115,9 @@ def model_card(state: ServerState) -> dict:
 # ----------------------------------------------------------------------------- the requests
 
 
-async def read_json(state: ServerState, request: Request) -> dict:
-    """The body: a JSON object that names the model served."""
+async def read_json(state: ServerState, request: Request, model_required: bool = True) -> dict:
+    """The body: a JSON object that names the model served (`model_required=False`: or names none,
+    as the tokenizer endpoints' clients send it)."""
     # Without a Content-Length (a chunked upload) the Guard cannot refuse it up front: count the
     # bytes as they arrive, and stop reading at the limit rather than buffer a body of any size.
     chunks, size = [], 0
@@ -129,7 +130,8 @@ async def read_json(state: ServerState, request: Request) -> dict:
     body = load_json(raw)  # within the limits on nesting, integers and Unicode
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_model(body, state.model_name)
+    if model_required or body.get("model") is not None:
+        check_model(body, state.model_name)
     return body
 
 
@@ -153,7 +155,6 @@ async def completions(state: ServerState, request: Request):
     prompt_ids = [prompt_token_ids(state, p, name) for p, name in zip(prompts, names)]
     for ids, name in zip(prompt_ids, names):
         check_length(state, ids, params, name)
-    check_schema(body, chat=False)
     echoed = [p if isinstance(p, str) else state.engine.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
     return await respond(state, request, body, prompt_ids, params, chat=False, n=n, echo=echoed if echo else None)
 
@@ -199,7 +200,6 @@ async def chat_completions(state: ServerState, request: Request):
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     check_length(state, prompt_ids, params, "messages")
-    check_schema(body, chat=True)
     return await respond(state, request, body, [prompt_ids], params, chat=True, n=n, tools=tools)
 
 
@@ -231,6 +231,7 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
     `tools`: a chat's tools, whose calls are parsed from the answers."""
     stream, include_usage = stream_fields(body)
     priority = request_priority(body, state.engine.scheduling_policy)
+    check_schema(body, chat)  # the last check before the engine: the body fits its published model
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id)
     meta = dict(id=request_id, created=int(time.time()), model=state.model_name)

@@ -83,7 +83,7 @@ def conforms(operation, body) -> bool:
     """Whether `body` fits one of the operation's published request models after all: a negative
     case is sometimes valid once `model` is set to the served one."""
     from nanoserve.server.schema import REQUEST_MODELS
-    from nanoserve.server.tokenize import TOKENIZER_REQUEST_MODELS
+    from nanoserve.server.tokenizer_api import TOKENIZER_REQUEST_MODELS
 
     by_name = {m.__name__: m for m in REQUEST_MODELS + TOKENIZER_REQUEST_MODELS}
     schema = operation.definition.raw["requestBody"]["content"]["application/json"]["schema"]

@@ -1,5 +1,5 @@
 """Issue 30: the tokenizer endpoints (`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`,
-nanoserve/server/tokenize.py) give exactly the engine's tokenizer, refuse bad bodies in OpenAI's
+nanoserve/server/tokenizer_api.py) give exactly the engine's tokenizer, refuse bad bodies in OpenAI's
 error shape, are published in /openapi.json, and let lm-evaluation-harness's `local-completions`
 model run against the server with no `tokenizer=`: it finds these endpoints by itself, counts
 tokens through them, and its log-likelihoods and generations equal the model's own."""

@@ -25,19 +25,16 @@ from fastapi import Request
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from nanoserve.server.handlers import ServerState
+from nanoserve.server.handlers import ServerState, read_json
 from nanoserve.server.protocol import (
     APIError,
-    check_model,
-    load_json,
     template_messages,
 )
 from nanoserve.server.schema import FalseOnly, Message, Strict, TokenId, first_error
 
-# The routes' paths. They are outside /v1/, where the Guard checks the API key by default: it must
-# name these too (a client with the key sends it here as well: lm-eval's `auth_token`).
+# The routes' paths, at the root (lm-eval derives them from the completions URL). Behind the API
+# key like every path but /health and /metrics (a client with the key sends it: lm-eval's `auth_token`).
 TOKENIZE_PATH, DETOKENIZE_PATH, TOKENIZER_INFO_PATH = "/tokenize", "/detokenize", "/tokenizer_info"
-TOKENIZER_PATHS = (TOKENIZE_PATH, DETOKENIZE_PATH, TOKENIZER_INFO_PATH)
 
 MODEL_FIELD = Field(None, description="the served model's name (404 for another); optional, as in vLLM")
 RETURN_TOKEN_STRS = Field(None, description="also return each token as the tokenizer spells it ('token_strs')")
@@ -83,7 +80,7 @@ TOKENIZER_REQUEST_MODELS = (TokenizeCompletionRequest, TokenizeChatRequest, Deto
 async def tokenize(state: ServerState, request: Request) -> dict:
     """`POST /tokenize`: `{"tokens", "count", "max_model_len", "token_strs"}`, vLLM's response.
     Nothing is refused for length: `count` and `max_model_len` let the client judge."""
-    body = await read_body(state, request)
+    body = await read_json(state, request, model_required=False)
     tokenizer = state.engine.tokenizer
     chat = body.get("messages") is not None
     if chat and body.get("prompt") is not None:
@@ -111,7 +108,7 @@ async def detokenize(state: ServerState, request: Request) -> dict:
     """`POST /detokenize`: `{"prompt": text}`. Special tokens are kept (`<|begin_of_text|>`
     spelled out), so that the text tokenizes back to the same ids: lm-eval decodes a
     log-likelihood request's ids to text when it sends text."""
-    body = await read_body(state, request)
+    body = await read_json(state, request, model_required=False)
     req = validated(DetokenizeRequest, body, DETOKENIZE_PATH)
     vocab_size = state.engine.vocab_size
     for i, token in enumerate(req.tokens):
@@ -142,24 +139,6 @@ def tokenizer_info(state: ServerState) -> dict:
 
 
 # ---------------------------------------------------------------------------- reading a body
-
-
-async def read_body(state: ServerState, request: Request) -> dict:
-    """The body, a JSON object, read as `handlers.read_json` reads one (the size limit, counted as
-    it arrives; `load_json`'s limits), but with `model` optional: vLLM's tokenizer API does not
-    require it and lm-eval sends none. A `model` that is given must be the served one (404)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:
-            raise APIError(413, f"request body larger than {state.max_body_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    body = load_json(b"".join(chunks))
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    if body.get("model") is not None:
-        check_model(body, state.model_name)
-    return body
 
 
 def validated(model: type[BaseModel], body: dict, path: str) -> BaseModel:
