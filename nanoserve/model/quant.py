@@ -10,13 +10,13 @@ as a few bytes of scale (and minimum) in float16, followed by the 32 values as s
 In the 4-bit formats byte j of a block holds value j in its low nibble and value j + 16 in its
 high nibble. Unquantized tensors (F32, F16, BF16) are plain little-endian arrays.
 
-`dequantize` turns the raw bytes of a tensor back into float32; `quantize_q8_0` and
-`quantize_q4_0` go the other way (the week's notebook uses them to measure what 4 and 8 bits
-cost). Everything here is PyTorch on the CPU: a tensor of bytes in, a tensor of floats out.
+`dequantize` turns the raw bytes of a tensor back into float32; `quantize` goes the other way
+(the week's notebook uses it to measure what 4, 5 and 8 bits cost). Everything here is PyTorch on the CPU: a tensor of bytes in, a tensor of floats out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,42 +53,6 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
-def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> [n, 32] values 0..15: the low nibbles are values 0-15, the high ones 16-31."""
-    # >>> week13: unpack-nibbles
-    low = qs & 0x0F
-    high = qs >> 4
-    return torch.cat([low, high], dim=1)
-    # <<< week13: unpack-nibbles
-
-
-def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 34] uint8 blocks -> [n, 32] float32."""
-    # >>> week13: dequantize-q8-0
-    d = _f16(blocks[:, :2])  # [n, 1]
-    q = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]
-    return d * q
-    # <<< week13: dequantize-q8-0
-
-
-def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 18] uint8 blocks -> [n, 32] float32."""
-    d = _f16(blocks[:, :2])  # [n, 1]
-    q = unpack_nibbles(blocks[:, 2:]).float() - 8  # [n, 32], in -8..7
-    return d * q
-
-
-def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 20] uint8 blocks -> [n, 32] float32."""
-    # >>> week13: dequantize-q4-1
-    d = _f16(blocks[:, 0:2])  # [n, 1] scale
-    m = _f16(blocks[:, 2:4])  # [n, 1] minimum
-    q = unpack_nibbles(blocks[:, 4:]).float()  # [n, 32], in 0..15
-    return d * q + m
-    # <<< week13: dequantize-q4-1
-
-
-_BLOCK_DEQUANTIZERS = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1}
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -104,26 +68,32 @@ def check_supported(type_name: str, tensor_name: str = "a tensor") -> BlockForma
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The raw bytes of one tensor (uint8, any shape) -> a float32 tensor of `shape`."""
+    # >>> week13: dequantize
     fmt = check_supported(type_name)
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     raw = raw.reshape(-1)
-    if raw.numel() != numel // fmt.values * fmt.nbytes or numel % fmt.values:
+    # A file whose byte counts do not add up is refused here, before a view misreads it.
+    if numel % fmt.values or raw.numel() != numel // fmt.values * fmt.nbytes:
         raise ValueError(f"{raw.numel()} bytes cannot hold a {type_name} tensor of shape {tuple(shape)}")
-    if type_name in _FLOAT_DTYPES:
+    if type_name in _FLOAT_DTYPES:  # plain little-endian arrays: read the bytes as that type
         return raw.view(_FLOAT_DTYPES[type_name]).float().reshape(shape)
-    blocks = raw.view(-1, fmt.nbytes)  # [numel / 32, bytes per block]
-    return _BLOCK_DEQUANTIZERS[type_name](blocks).reshape(shape)
+    blocks = raw.view(-1, fmt.nbytes)  # [n, bytes per block]
+    d = _f16(blocks[:, :2])  # [n, 1]: every block format starts with its scale
+    if type_name == "Q8_0":
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()  # [n, 32]: the same bytes, as signed
+        return (d * q).reshape(shape)
+    # The 4-bit formats end with 16 bytes of codes: value j in the low nibble of byte j, value
+    # j + 16 in its high nibble (llama.cpp's order, so that a kernel splits a register in two).
+    packed = blocks[:, -16:]  # [n, 16]
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()  # [n, 32], 0..15
+    if type_name == "Q4_0":
+        return (d * (q - 8)).reshape(shape)
+    m = _f16(blocks[:, 2:4])  # [n, 1]: Q4_1's minimum
+    return (d * q + m).reshape(shape)
+    # <<< week13: dequantize
 
 
 # ------------------------------------------------------------------------ and back: quantizers
-
-
-def _blocks_of(x: torch.Tensor) -> torch.Tensor:
-    if x.numel() % BLOCK_SIZE:
-        raise ValueError(f"{x.numel()} values do not split into blocks of {BLOCK_SIZE}")
-    return x.detach().float().reshape(-1, BLOCK_SIZE)
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -131,30 +101,40 @@ def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).view(torch.uint8).reshape(-1, 2)
 
 
-def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """float values (a multiple of 32) -> Q8_0 bytes [n_blocks * 34].
+def quantize(x: torch.Tensor, type_name: str) -> torch.Tensor:
+    """float values (a multiple of 32) -> the bytes of a Q8_0, Q4_0 or Q4_1 tensor, [n_blocks * bytes per block].
 
-    The scale maps the block's largest magnitude to 127; every value rounds to the nearest step.
+    Q8_0: the scale maps the block's largest magnitude to 127; every value rounds to the nearest step.
+    Q4_0: sixteen steps -8..7 around zero: the value of largest magnitude (with its sign) becomes -8,
+          so it is represented exactly and the other side gets the 7 remaining steps.
+    Q4_1: sixteen steps from the block's minimum to its maximum, rounded as llama.cpp's reference
+          quantizer rounds them, so the bytes are the ones the `gguf` package writes.
     """
-    blocks = _blocks_of(x)
-    d = blocks.abs().amax(dim=1, keepdim=True) / 127  # [n, 1]
-    d16 = d.to(torch.float16).float()  # the scale as it will be stored
-    inv = torch.where(d16 > 0, 1 / d16, torch.zeros_like(d16))
-    q = torch.round(blocks * inv).clamp(-127, 127).to(torch.int8)
-    return torch.cat([_f16_bytes(d16), q.view(torch.uint8)], dim=1).reshape(-1)
-
-
-def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
-    """float values (a multiple of 32) -> Q4_0 bytes [n_blocks * 18].
-
-    Sixteen steps -8..7 around zero: the value of largest magnitude (with its sign) becomes -8,
-    so it is represented exactly and the other side gets the 7 remaining steps.
-    """
-    blocks = _blocks_of(x)
-    idx = blocks.abs().argmax(dim=1, keepdim=True)
-    extreme = blocks.gather(1, idx)  # [n, 1], signed
-    d16 = (extreme / -8).to(torch.float16).float()
-    inv = torch.where(d16 != 0, 1 / d16, torch.zeros_like(d16))
-    q = (torch.round(blocks * inv) + 8).clamp(0, 15).to(torch.uint8)  # [n, 32]
-    packed = q[:, :16] | (q[:, 16:] << 4)  # [n, 16]
-    return torch.cat([_f16_bytes(d16), packed], dim=1).reshape(-1)
+    # >>> week13: quantize
+    if type_name not in ("Q8_0", "Q4_0", "Q4_1"):
+        raise UnsupportedQuantization(f"nanoserve quantizes to Q8_0, Q4_0 or Q4_1, not {type_name}")
+    if x.numel() % BLOCK_SIZE:
+        raise ValueError(f"{x.numel()} values do not split into blocks of {BLOCK_SIZE}")
+    blocks = x.detach().float().reshape(-1, BLOCK_SIZE)  # [n, 32]
+    if type_name == "Q8_0":
+        d = (blocks.abs().amax(dim=1, keepdim=True) / 127).to(torch.float16).float()  # [n, 1], as stored
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))  # an all-zero block has scale 0
+        q = torch.round(blocks * inv).clamp(-127, 127).to(torch.int8)
+        return torch.cat([_f16_bytes(d), q.view(torch.uint8)], dim=1).reshape(-1)
+    if type_name == "Q4_0":
+        extreme = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))  # [n, 1], signed
+        d = (extreme / -8).to(torch.float16).float()
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (torch.round(blocks * inv) + 8).clamp(0, 15).to(torch.uint8)  # [n, 32], 0..15
+        header = _f16_bytes(d)
+    else:
+        low = blocks.amin(dim=1, keepdim=True)  # [n, 1]
+        d = (blocks.amax(dim=1, keepdim=True) - low) / 15
+        # llama.cpp's rule, kept to the bit: codes from the float32 scale and minimum (only the
+        # stored copies are float16), rounded half up: + 0.5, then truncated (the codes are >= 0).
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.trunc((blocks - low) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+        header = torch.cat([_f16_bytes(d), _f16_bytes(low)], dim=1)
+    packed = q[:, :16] | (q[:, 16:] << 4)  # [n, 16]: value j low, value j + 16 high
+    return torch.cat([header, packed], dim=1).reshape(-1)
+    # <<< week13: quantize

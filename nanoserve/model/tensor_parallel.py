@@ -73,27 +73,6 @@ def check_shardable(config, size: int) -> None:
                          f"{', '.join(problems)}")
 
 
-def shard_qkv(weight: torch.Tensor, config, rank: int, size: int) -> torch.Tensor:
-    """The rows of the fused qkv weight [(Hq + 2·Hkv)·D, hidden] that rank `rank` keeps: its query
-    heads, then its key heads, then its value heads (the layout `Attention.forward` splits)."""
-    # >>> week18: shard-qkv
-    d = config.head_dim
-    q, k, v = weight.split([config.q_size, config.kv_size, config.kv_size])
-    q0, q1 = head_range(config.num_heads, rank, size)
-    k0, k1 = kv_head_range(config.num_kv_heads, rank, size)
-    return torch.cat([q[q0 * d : q1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]])
-    # <<< week18: shard-qkv
-
-
-def shard_gate_up(weight: torch.Tensor, intermediate_size: int, rank: int, size: int) -> torch.Tensor:
-    """The rows of the fused gate_up weight [2·I, hidden] rank `rank` keeps: its slice of gate, then
-    the same slice of up (so SwiGLU pairs them on the rank, with no communication)."""
-    gate, up = weight.split(intermediate_size)
-    per_rank = intermediate_size // size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    return torch.cat([gate[rows], up[rows]])
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ for a slice of W's rows (output features): no communication."""
 
@@ -170,25 +149,34 @@ def shard_model(model, group: Group):
     """Turn a whole loaded `Llama` into rank `group.rank`'s shard of it, in place: parallel layers
     swapped in, head counts and sizes made local, `model.config` the local view (so the KV cache,
     kernels and CUDA graphs built from it get this rank's shapes). Returns the model."""
+    # >>> week18: shard-model
     cfg, rank, size = model.config, group.rank, group.size
     check_shardable(cfg, size)
+    d = cfg.head_dim
     q0, q1 = head_range(cfg.num_heads, rank, size)
     k0, k1 = kv_head_range(cfg.num_kv_heads, rank, size)
     heads, kv_heads, inter = q1 - q0, k1 - k0, cfg.intermediate_size // size
-    d = cfg.head_dim
+    features = slice(rank * inter, (rank + 1) * inter)  # my share of the MLP's features
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = ColumnParallelLinear(shard_qkv(attn.qkv_proj.weight, cfg, rank, size))
+        # Column-parallel by heads: my query heads' rows, then my KV heads' rows of k and of v,
+        # the order in which Attention.forward splits its output with the local sizes set below.
+        q, k, v = attn.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+        rows = [q[q0 * d : q1 * d], k[k0 * d : k1 * d], v[k0 * d : k1 * d]]
+        attn.qkv_proj = ColumnParallelLinear(torch.cat(rows))
+        # Row-parallel: the columns of o_proj that read my heads' outputs.
         attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, q0 * d : q1 * d].clone(), group)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.q_size, attn.kv_size = heads * d, kv_heads * d
-        mlp.gate_up_proj = ColumnParallelLinear(shard_gate_up(mlp.gate_up_proj.weight, cfg.intermediate_size, rank, size))
-        per_rank = slice(rank * inter, (rank + 1) * inter)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, per_rank].clone(), group)
+        # The same features of gate and of up, so SwiGLU pairs them on this rank; then the
+        # matching columns of down_proj, whose partial sums the all-reduce adds.
+        gate, up = mlp.gate_up_proj.weight.split(cfg.intermediate_size)
+        mlp.gate_up_proj = ColumnParallelLinear(torch.cat([gate[features], up[features]]))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, features].clone(), group)
         mlp.intermediate_size = inter
     tied = model.lm_head.weight is model.embed_tokens.weight
-    rows, start = _vocab_shard(model.embed_tokens.weight, rank, size)
-    model.embed_tokens = VocabParallelEmbedding(rows, start, group)
+    embed_rows, start = _vocab_shard(model.embed_tokens.weight, rank, size)
+    model.embed_tokens = VocabParallelEmbedding(embed_rows, start, group)
     head_rows = model.embed_tokens.weight if tied else _vocab_shard(model.lm_head.weight, rank, size)[0]
     model.lm_head = VocabParallelLMHead(head_rows, cfg.vocab_size, group)
     # The local view: what this rank's attention, MLP and KV cache hold. vocab_size stays whole
@@ -196,6 +184,7 @@ def shard_model(model, group: Group):
     model.config = dataclasses.replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
     model.group = group
     return model
+    # <<< week18: shard-model
 
 
 def min_over_ranks(group: Group, value: int) -> int:

@@ -165,6 +165,7 @@ async def forward(client: httpx.AsyncClient, router: Router, count, request: Req
     """Send the request to the replica `router` picks (its cost in tokens measured by
     `count(text)`), and stream the answer back as it comes. A replica that cannot be reached is
     marked unhealthy, and the next one is tried."""
+    # >>> week18: front
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -197,6 +198,7 @@ async def forward(client: httpx.AsyncClient, router: Router, count, request: Req
               if k.lower() in ("content-type", "cache-control", "retry-after", "x-accel-buffering")}
     passed["x-nanoserve-replica"] = str(router.replicas.index(replica))
     return StreamingResponse(relay(), status_code=response.status_code, headers=passed)
+    # <<< week18: front
 
 
 async def first_healthy_models(client: httpx.AsyncClient, router: Router, request: Request,

@@ -45,37 +45,81 @@ def test_float_formats_match_gguf(type_name):
     assert torch.equal(ours, torch.from_numpy(expected))
 
 
-def test_unpack_nibbles_order():
+def test_the_nibble_order():
     # byte j holds value j in its low nibble and value j + 16 in its high one
-    qs = torch.tensor([[0x21, 0x43] + [0xF0] * 14], dtype=torch.uint8)
-    values = quant.unpack_nibbles(qs)
-    assert values.shape == (1, 32)
-    assert values[0, :2].tolist() == [1, 3] and values[0, 16:18].tolist() == [2, 4]
-    assert values[0, 2:16].tolist() == [0] * 14 and values[0, 18:].tolist() == [15] * 14
+    header = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1, so each value is q - 8
+    qs = np.array([0x21, 0x43] + [0xF0] * 14, dtype=np.uint8)
+    values = quant.dequantize(torch.from_numpy(np.concatenate([header, qs])), "Q4_0", (32,))
+    assert values[:2].tolist() == [1 - 8, 3 - 8] and values[16:18].tolist() == [2 - 8, 4 - 8]
+    assert values[2:16].tolist() == [-8] * 14 and values[18:].tolist() == [15 - 8] * 14
 
 
 def test_a_worked_q4_1_block():
     d, m = 0.5, -1.0
     header = np.array([d, m], dtype=np.float16).view(np.uint8)
     qs = np.array([0x10 * (15 - j % 16) + (j % 16) for j in range(16)], dtype=np.uint8)
-    block = torch.from_numpy(np.concatenate([header, qs])[None])
-    values = quant.dequantize_q4_1(block)[0]
+    block = torch.from_numpy(np.concatenate([header, qs]))
+    values = quant.dequantize(block, "Q4_1", (1, 32))[0]
     assert values[:16].tolist() == [d * j + m for j in range(16)]  # low nibbles 0..15
     assert values[16:].tolist() == [d * (15 - j) + m for j in range(16)]  # high nibbles 15..0
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_a_q8_0_block_reads_signed_quants():
+    header = np.array([0.25], dtype=np.float16).view(np.uint8)
+    qs = np.arange(-16, 16, dtype=np.int8).view(np.uint8)  # bytes 0xF0..0xFF, then 0x00..0x0F
+    values = quant.dequantize(torch.from_numpy(np.concatenate([header, qs])), "Q8_0", (32,))
+    assert values.tolist() == [0.25 * q for q in range(-16, 16)]
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
 def test_own_quantizers_round_trip_and_gguf_reads_them(type_name):
     x = torch.randn(64, 96) * torch.rand(64, 1)  # rows of different scales
-    packed = quant.quantize_q8_0(x) if type_name == "Q8_0" else quant.quantize_q4_0(x)
-    assert packed.numel() == x.numel() // 32 * quant.FORMATS[type_name].nbytes
+    packed = quant.quantize(x, type_name)
+    assert packed.dtype == torch.uint8 and packed.numel() == x.numel() // 32 * quant.FORMATS[type_name].nbytes
     back = quant.dequantize(packed, type_name, tuple(x.shape))
     theirs = gguf.quants.dequantize(packed.numpy().reshape(64, -1), gguf.GGMLQuantizationType[type_name])
     assert torch.equal(back, torch.from_numpy(theirs))  # the same bytes mean the same to both
-    # Each value is within half a step of its block's scale (one step for Q4_0's far side).
+    # Each value is within half a step of its block's scale (one step for Q4_0's far side; for
+    # Q4_1, plus what storing the scale and the minimum in float16 moves).
     blocks, err = x.reshape(-1, 32), (back - x).reshape(-1, 32).abs()
-    step = blocks.abs().amax(dim=1, keepdim=True) / (127 if type_name == "Q8_0" else 8)
-    assert (err <= step * (0.5 if type_name == "Q8_0" else 1.0) * 1.01 + 1e-6).all()
+    if type_name == "Q4_1":
+        low, high = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
+        bound = (high - low) / 15 * 0.51 + low.abs() * 1e-3
+    else:
+        step = blocks.abs().amax(dim=1, keepdim=True) / (127 if type_name == "Q8_0" else 8)
+        bound = step * (0.5 if type_name == "Q8_0" else 1.0) * 1.01
+    assert (err <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("case", ["random", "wide", "constant", "zeros", "halfway"])
+def test_q4_1_quantizer_writes_the_bytes_gguf_writes(case):
+    """Byte for byte llama.cpp's reference rule (through the `gguf` package): the minimum, the
+    scale, each code's rounding, and the nibble order."""
+    x = {"random": torch.randn(40, 64) * torch.rand(40, 1),
+         "wide": torch.randn(8, 32) * 300,
+         "constant": torch.full((2, 32), -0.75),  # max = min: scale 0, every code 0
+         "zeros": torch.zeros(1, 32),
+         "halfway": torch.tensor([[0.25 * j for j in range(31)] + [7.5]]),  # d = 0.5: codes 0, 0.5, 1, ...
+         }[case]
+    ours = quant.quantize(x, "Q4_1")
+    theirs = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q4_1).reshape(-1)
+    assert ours.tolist() == theirs.tolist()
+
+
+def test_a_worked_q4_1_quantization():
+    x = torch.tensor([-1.0 + 0.25 * (j % 16) for j in range(32)])  # min -1, max 2.75: d = 3.75 / 15 = 0.25
+    raw = quant.quantize(x, "Q4_1")
+    assert raw.shape == (20,)
+    assert raw[:4].view(torch.float16).tolist() == [0.25, -1.0]
+    assert raw[4:].tolist() == [j + 16 * j for j in range(16)]  # values j and j + 16 both have code j
+    assert torch.equal(quant.dequantize(raw, "Q4_1", (32,)), x)
+
+
+def test_quantize_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quant.quantize(torch.zeros(40), "Q8_0")
+    with pytest.raises(quant.UnsupportedQuantization, match="Q4_K"):
+        quant.quantize(torch.zeros(32), "Q4_K")
 
 
 def test_bits_per_weight():

@@ -18,7 +18,6 @@ from nanoserve.model.tensor_parallel import (
     head_range,
     kv_head_range,
     shard_model,
-    shard_qkv,
 )
 from nanoserve.testing import make_checkpoint, tiny_config
 
@@ -58,14 +57,20 @@ def _config(**overrides) -> ModelConfig:
     return ModelConfig.from_dict(tiny_config(model_type="llama", **overrides))
 
 
-def test_qkv_shard_holds_my_heads_rows():
-    cfg = _config()  # 4 query heads, 2 KV heads, of 16 dimensions
-    d = cfg.head_dim
-    rows = torch.arange(cfg.q_size + 2 * cfg.kv_size, dtype=torch.float32)[:, None].expand(-1, 3)
-    got = shard_qkv(rows, cfg, 1, 2)[:, 0].long().tolist()  # row i holds the number i
-    q = list(range(2 * d, 4 * d))  # query heads 2 and 3
-    k = list(range(cfg.q_size + 1 * d, cfg.q_size + 2 * d))  # key head 1
-    v = list(range(cfg.q_size + cfg.kv_size + 1 * d, cfg.q_size + cfg.kv_size + 2 * d))  # value head 1
+@pytest.mark.parametrize("kv_heads,rank,expected_kv", [(2, 1, 1), (1, 1, 0), (1, 0, 0)])
+@torch.no_grad()
+def test_qkv_shard_holds_my_heads_rows(kv_heads, rank, expected_kv, tmp_path):
+    """Rank `rank` of 2 keeps its query heads' rows, then its KV head's rows of k and of v, in
+    that order; with one KV head, both ranks keep the same one."""
+    make_checkpoint(tmp_path, tiny_config(num_key_value_heads=kv_heads))  # 4 query heads of 16 dimensions
+    model = load_model(tmp_path)
+    cfg, d = model.config, model.config.head_dim
+    for layer in model.layers:  # row i holds the number i
+        layer.self_attn.qkv_proj.weight.copy_(torch.arange(cfg.q_size + 2 * cfg.kv_size)[:, None].float())
+    got = shard_model(model, Alone(rank, 2)).layers[0].self_attn.qkv_proj.weight[:, 0].long().tolist()
+    q = list(range(2 * rank * d, 2 * (rank + 1) * d))  # query heads 2r and 2r + 1
+    k = list(range(cfg.q_size + expected_kv * d, cfg.q_size + (expected_kv + 1) * d))
+    v = [i + cfg.kv_size for i in k]
     assert got == q + k + v
 
 
