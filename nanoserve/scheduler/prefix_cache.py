@@ -39,11 +39,9 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     128 bits make an accidental collision (two different prefixes with one name, which would
     hand a sequence someone else's K/V) vanishingly unlikely: about 2**-64 after 2**32 blocks.
     """
-    # >>> week14: block-hash
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("q", tokens).tobytes())  # 8 bytes per token id, in a fixed layout
     return h.digest()
-    # <<< week14: block-hash
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -101,13 +99,22 @@ class PrefixCachingAllocator(BlockAllocator):
         return block
         # <<< week14: evict
 
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """The blocks of the longest cached prefix named by `hashes` (in order), each now held
-        once more by the caller."""
+    def match(self, names: list[bytes], num_blocks: int | None = None, token_ids: list[int] = (),
+              block_size: int = 0) -> list[int]:
+        """The blocks of the longest cached prefix of a sequence's first `num_blocks` full blocks
+        (default: as many as `names` has), in order, each now held once more by the caller.
+
+        `names` is the sequence's chain of block names so far, kept between lookups: a block past
+        its end is named here, from `token_ids` (blocks of `block_size` tokens) and the name before
+        it, and appended, so each block is hashed once per sequence and none past the first miss."""
+        num_blocks = len(names) if num_blocks is None else num_blocks
         # >>> week14: match-prefix
         blocks = []
-        for h in hashes:
-            block = self.block_of_hash.get(h)
+        for i in range(num_blocks):
+            if i == len(names):  # not named yet: chain it on its parent's name
+                parent = names[-1] if i else None
+                names.append(block_hash(parent, token_ids[i * block_size : (i + 1) * block_size]))
+            block = self.block_of_hash.get(names[i])
             if block is None:
                 break  # a chain: past the first miss, nothing can match
             blocks.append(block)

@@ -220,22 +220,19 @@ class Scheduler:
         # <<< week08: continuous
 
     def _order_by_priority(self) -> None:
-        """Sort the queue and the running set by rank, keeping their order among equals (so FCFS,
-        and preempted sequences first in line, still hold within one priority level). The policies
-        then need nothing else: admission takes the head of the queue, and preemption the last
-        of the running set, which is now the worst-ranked."""
-        # >>> week16: order-by-priority
+        """Age the queue by one step, then sort the queue and the running set by rank (lower runs
+        first: the request's priority, one level better per `aging_steps` steps it has waited),
+        keeping their order among equals (so FCFS, and preempted sequences first in line, still
+        hold within one rank). The policies then need nothing else: admission takes the head of
+        the queue, and preemption the last of the running set, which is now the worst-ranked."""
+        # >>> week16: priority
         for seq in self.waiting:
             seq.steps_waiting += 1
-        self.waiting = deque(sorted(self.waiting, key=self._rank))
-        self.running.sort(key=self._rank)
-        # <<< week16: order-by-priority
-
-    def _rank(self, seq: Sequence) -> int:
-        """Lower runs first: the request's priority, one level better per `aging_steps` steps waited."""
-        # >>> week16: rank
-        return seq.priority - seq.steps_waiting // self.aging_steps
-        # <<< week16: rank
+        def rank(seq: Sequence) -> int:
+            return seq.priority - seq.steps_waiting // self.aging_steps
+        self.waiting = deque(sorted(self.waiting, key=rank))  # sorted() is stable: equals keep their order
+        self.running.sort(key=rank)
+        # <<< week16: priority
 
     # -- week 14: prefix caching -----------------------------------------------------------------
 
@@ -246,8 +243,8 @@ class Scheduler:
         if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return
         # >>> week14: reuse-prefix
-        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        seq.block_table = self.allocator.match(hashes)
+        reusable = (seq.num_tokens - 1) // self.block_size
+        seq.block_table = self.allocator.match(seq.block_hashes, reusable, seq.token_ids, self.block_size)
         seq.num_computed = len(seq.block_table) * self.block_size
         # <<< week14: reuse-prefix
 
@@ -288,8 +285,20 @@ class Scheduler:
                 seqs.append(seq)
                 num_new.append(n)
                 budget -= n
-        preempted_now = self.num_preemptions > preemptions_before  # memory is tight: admit no one
-        while self.waiting and not preempted_now and len(self.running) < self.max_num_seqs:
+        if self.num_preemptions == preemptions_before:  # memory is tight after a preemption: admit no one
+            self._admit_chunks(seqs, num_new, budget)
+        # Preempted after it was scheduled (a prompt under way needed its blocks): not this step.
+        kept = [(s, n) for s, n in zip(seqs, num_new) if s.status is SequenceStatus.RUNNING]
+        # A sequence samples only once its last prompt token has run: 1 row, or 0 for a partial chunk.
+        return Batch([s for s, _ in kept], [n for _, n in kept],
+                     [int(s.num_computed + n == s.num_tokens) for s, n in kept])
+        # <<< week15: chunked
+
+    def _admit_chunks(self, seqs: list[Sequence], num_new: list[int], budget: int) -> None:
+        """Week 15: admit waiting prompts, in FCFS order, into what is left of the step's token
+        budget, the last one cut to a chunk; append each to `seqs` with its tokens in `num_new`."""
+        # >>> week15: admit-chunks
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self._reuse_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed
@@ -304,12 +313,7 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        # Preempted after it was scheduled (a prompt under way needed its blocks): not this step.
-        kept = [(s, n) for s, n in zip(seqs, num_new) if s.status is SequenceStatus.RUNNING]
-        # A sequence samples only once its last prompt token has run: 1 row, or 0 for a partial chunk.
-        return Batch([s for s, _ in kept], [n for _, n in kept],
-                     [int(s.num_computed + n == s.num_tokens) for s, n in kept])
-        # <<< week15: chunked
+        # <<< week15: admit-chunks
 
     def _make_room(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         """Give a running sequence room for `num_tokens` tokens (default: all it has, so the next

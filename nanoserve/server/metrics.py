@@ -117,6 +117,9 @@ class EngineCollector:
         self.engine = engine
 
     def collect(self):
+        """The engine's state as Prometheus metric families: gauges for what goes up and down,
+        counters for what only grows (the prefix-cache and speculative ones when those are on)."""
+        # >>> week16: engine-metrics
         s = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -147,6 +150,7 @@ class EngineCollector:
             yield counter("spec_decode_num_draft_tokens", "Guessed tokens sent to verification", p["proposed"])
             yield counter("spec_decode_num_accepted_tokens", "Guessed tokens the target accepted", p["accepted"])
             yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification steps", p["emitted"])
+        # <<< week16: engine-metrics
 
 
 class RequestLog:

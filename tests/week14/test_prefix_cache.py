@@ -70,6 +70,27 @@ def test_three_states_lru_eviction_and_double_free():
         alloc.allocate()
 
 
+def test_match_names_the_chain_as_it_walks_and_stops_at_the_first_miss():
+    """The lesson's worked example of `match-prefix`: blocks of 2, tokens 1..6."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    h0, h1, h2 = chain(tokens, 2)
+    alloc = PrefixCachingAllocator(4)
+    a, b = alloc.allocate(), alloc.allocate()
+    alloc.register(a, h0)
+    alloc.register(b, h1)
+    alloc.free(b)
+    alloc.free(a)
+    names: list[bytes] = []
+    assert alloc.match(names, 3, tokens, 2) == [a, b]
+    assert names == [h0, h1, h2]  # block 2 named, then missed
+    assert alloc.ref_count[a] == alloc.ref_count[b] == 1 and not alloc.evictable and alloc.used == {a, b}
+    assert alloc.match(names, 1) == [a] and alloc.ref_count[a] == 2 and names == [h0, h1, h2]
+    alloc.check_invariants([[a, b], [a]])
+    other: list[bytes] = []
+    assert alloc.match(other, 3, [9] + tokens[1:], 2) == [] and len(other) == 1  # nothing past the miss
+    assert alloc.match([h0, h1, h2]) == [a, b]  # names already there: no tokens needed
+
+
 def test_a_second_block_with_the_same_content_stays_private():
     alloc = PrefixCachingAllocator(3)
     a, b = alloc.allocate(), alloc.allocate()
