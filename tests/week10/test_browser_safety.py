@@ -185,7 +185,9 @@ def test_the_docs_need_the_key(guarded, path):
 
 def test_health_and_metrics_stay_open(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200
-    assert httpx.get(guarded.url + "/metrics").status_code == 200
+    # Open means no key asked for. (What /metrics answers is week 16's: in a learner's workspace
+    # before that week it is not served, or a stub.)
+    assert httpx.get(guarded.url + "/metrics").status_code != 401
     assert_openai_error(httpx.get(guarded.url + "/v1/models"), 401)
 
 

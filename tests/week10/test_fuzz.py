@@ -18,6 +18,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.testing import ServerThread
 
 schemathesis = pytest.importorskip("schemathesis", reason="pip install -e '.[dev]' installs schemathesis")
@@ -41,14 +42,21 @@ def operations(server):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    return {f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in schema.get_all_operations())}
+    operations = {f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in schema.get_all_operations())}
+    if 16 in stubbed_weeks():  # a learner's workspace before week 16: /metrics is that week's stub
+        operations.pop("GET /metrics", None)
+    return operations
 
 
 def for_the_served_model(case):
     """A generated body names some random model, which is a 404 before any other field is read:
-    name the served one, so the fuzz reaches the rest."""
+    name the served one, so the fuzz reaches the rest. In a learner's workspace where week 11 is
+    not written yet, no body asks for a stream (its code is a stub there)."""
     if isinstance(case.body, dict):
         case.body["model"] = "tiny"
+        if 11 in stubbed_weeks():
+            case.body.pop("stream", None)
+            case.body.pop("stream_options", None)
     return case
 
 
@@ -98,7 +106,7 @@ def conforms(operation, body) -> bool:
 
 
 def test_every_endpoint_is_in_the_schema(operations):
-    assert set(operations) >= {"GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
+    assert set(operations) >= {"GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
                                "POST /v1/completions", "POST /v1/chat/completions"}, sorted(operations)
 
 
