@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true")
     cache.set_defaults(func=cmd_cache)
 
-    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course/workspace.py)")
+    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course/cli.py)")
     return parser
 
 
@@ -251,8 +251,8 @@ def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course/workspace.py
-        from nanoserve.course.workspace import main as course_main
+    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course/cli.py
+        from nanoserve.course.cli import main as course_main
 
         return course_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -25,6 +25,7 @@ def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
+@pytest.mark.exercise("unpack-nibbles", "dequantize-q8-0", "dequantize-q4-1")
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
 def test_block_dequantizers_match_gguf(type_name):
     raw = random_blocks(type_name, 257)
@@ -45,6 +46,7 @@ def test_float_formats_match_gguf(type_name):
     assert torch.equal(ours, torch.from_numpy(expected))
 
 
+@pytest.mark.exercise("unpack-nibbles")
 def test_unpack_nibbles_order():
     # byte j holds value j in its low nibble and value j + 16 in its high one
     qs = torch.tensor([[0x21, 0x43] + [0xF0] * 14], dtype=torch.uint8)
@@ -54,6 +56,7 @@ def test_unpack_nibbles_order():
     assert values[0, 2:16].tolist() == [0] * 14 and values[0, 18:].tolist() == [15] * 14
 
 
+@pytest.mark.exercise("dequantize-q4-1")
 def test_a_worked_q4_1_block():
     d, m = 0.5, -1.0
     header = np.array([d, m], dtype=np.float16).view(np.uint8)
@@ -64,6 +67,7 @@ def test_a_worked_q4_1_block():
     assert values[16:].tolist() == [d * (15 - j) + m for j in range(16)]  # high nibbles 15..0
 
 
+@pytest.mark.exercise("unpack-nibbles", "dequantize-q8-0")
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
 def test_own_quantizers_round_trip_and_gguf_reads_them(type_name):
     x = torch.randn(64, 96) * torch.rand(64, 1)  # rows of different scales

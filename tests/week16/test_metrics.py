@@ -45,6 +45,7 @@ def server():
         yield s
 
 
+@pytest.mark.exercise("observe-request")
 def test_counts_and_histograms_after_a_known_sequence_of_requests(server):
     url, before = server.url, scrape(server.url)
     assert value(before, "nanoserve:kv_blocks_total") == 256

@@ -23,6 +23,7 @@ from nanoserve.server.data_parallel import (
 from nanoserve.testing import ServerThread
 
 
+@pytest.mark.exercise("route")
 def test_the_router_picks_the_fewest_outstanding_tokens():
     router = Router([Replica("a"), Replica("b"), Replica("c")])
     long = router.pick(4000)  # a long document goes to one replica...
@@ -34,6 +35,7 @@ def test_the_router_picks_the_fewest_outstanding_tokens():
     assert long.in_flight == 1 and long.sent == 2
 
 
+@pytest.mark.exercise("route")
 def test_ties_are_taken_in_turn_and_unhealthy_replicas_skipped():
     router = Router([Replica("a"), Replica("b")])
     first = router.pick(1)
