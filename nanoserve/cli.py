@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-requests", action="store_true",
                      help="one JSON line per finished request on stderr (id, lengths, TTFT, end-to-end time, "
                           "finish reason; default: off)")
-    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
-                     help="do not serve GET /metrics (Prometheus text format; default: served)")
+    srv.add_argument("--no-metrics", dest="metrics", action="store_const", const=False, default=None,
+                     help="do not serve GET /metrics (Prometheus text format; default: served, in a learner's "
+                          "workspace once week 16 is written)")
     EngineConfig.add_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -18,6 +18,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.testing import ServerThread
 
 schemathesis = pytest.importorskip("schemathesis", reason="pip install -e '.[dev]' installs schemathesis")
@@ -93,8 +94,9 @@ def conforms(operation, body) -> bool:
 
 
 def test_every_endpoint_is_in_the_schema(operations):
-    assert set(operations) >= {"GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}",
-                               "POST /v1/completions", "POST /v1/chat/completions"}, sorted(operations)
+    metrics = set() if 16 in stubbed_weeks() else {"GET /metrics"}  # week 16's: off in a workspace until written
+    assert set(operations) >= {"GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
+                               "POST /v1/completions", "POST /v1/chat/completions"} | metrics, sorted(operations)
 
 
 def test_fuzz_no_5xx_and_openai_errors(server, operations):
