@@ -185,8 +185,9 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--log-requests", action="store_true",
                      help="one JSON line per finished request on stderr (id, lengths, TTFT, end-to-end time, "
                           "finish reason; default: off)")
-    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
-                     help="do not serve GET /metrics (Prometheus text format; default: served)")
+    srv.add_argument("--no-metrics", dest="metrics", action="store_const", const=False, default=None,
+                     help="do not serve GET /metrics (Prometheus text format; default: served, in a learner's "
+                          "workspace once week 16 is written)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--clear", action="store_true")
     cache.set_defaults(func=cmd_cache)
 
-    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course/workspace.py)")
+    sub.add_parser("course", help="the learner's workspace: start, check, peek, reset, notebook (see nanoserve/course/cli.py)")
     return parser
 
 
@@ -271,8 +272,8 @@ def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course/workspace.py
-        from nanoserve.course.workspace import main as course_main
+    if argv[:1] == ["course"]:  # the learner's workspace commands live in nanoserve/course/cli.py
+        from nanoserve.course.cli import main as course_main
 
         return course_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -134,7 +134,18 @@ def engine_defaults() -> dict[str, object]:
     engine = Engine(EngineConfig(device="cpu", num_blocks=64))  # neither is an option checked here
     values = {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(EngineConfig)}
     values.update({name: read(engine) for name, read in RESOLVED_BY_THE_ENGINE.items()})
+    values.update(app_defaults(engine))
     return values
+
+
+def app_defaults(engine) -> dict[str, object]:
+    """Server options `create_app` resolves (None on the command line: "decide for me"): what an
+    app built without them does."""
+    from nanoserve.engine.async_engine import AsyncEngine
+    from nanoserve.server.app import create_app
+
+    app = create_app(AsyncEngine(engine), "tiny")
+    return {"metrics": app.state.metrics is not None}
 
 
 def code_options(engine: dict[str, object], cli: dict[str, tuple[set, list[str]]]) -> dict[str, Option]:

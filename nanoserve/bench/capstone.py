@@ -8,13 +8,21 @@ with 1 if any target is missed. When NANOSERVE_WORKSPACE names a workspace, the 
 the benchmark starts runs that workspace's package (see `bench_serving`); the client that
 measures it is always the reference. The lesson is `weeks/capstone/README.md`.
 
-The targets live here and nowhere else; the lesson prints them with `targets_table`.
+    NANOSERVE_WORKSPACE=workspace nanoserve bench serving --model smollm2 --check capstone-cpu --compare-reference
+
+serves the reference engine on the same workload first, on this machine, then the workspace's,
+and judges the workspace by its ratios to the reference (`RATIOS`) instead of the absolute
+targets: a slow or busy machine slows both engines alike, and the ratios cancel it out.
+
+The targets live here and nowhere else; the lesson prints them with `targets_table` and
+`ratios_table`.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 # The serving row's keys that a target may name, with the words the report uses for them.
 METRICS = {
@@ -88,6 +96,21 @@ TRACKS = {
 }
 
 
+# The ratios --compare-reference allows (yours / the reference's, measured one after the other on
+# one machine): the margins the CPU track's targets leave over the reference's median
+# (weeks/capstone/README.md, section 3), rounded: 2× for TTFT p50, 3× for the p99s (the least
+# steady), 1.5× for ITL p50 (the steadiest), 0.85× for the throughput (which the arrivals set).
+RATIOS = (Target("ttft_p50_ms", 2.0), Target("ttft_p99_ms", 3.0), Target("itl_p50_ms", 1.5),
+          Target("itl_p99_ms", 3.0), Target("output_tok_s", 0.85, at_least=True))
+
+
+def ratios_table(ratios: tuple[Target, ...] = RATIOS) -> str:
+    """The ratios as the Markdown table the lesson shows (a test keeps the two equal)."""
+    lines = ["| metric | yours / the reference's |", "|---|---|"]
+    lines += [f"| {METRICS[r.metric][0]} | {'≥' if r.at_least else '≤'} {r.limit:g}× |" for r in ratios]
+    return "\n".join(lines)
+
+
 def targets_table(track: Track) -> str:
     """The targets as the Markdown table the lesson shows (a test keeps the two equal)."""
     if not track.targets:
@@ -135,10 +158,42 @@ def report(track: Track, row: dict) -> int:
     return 0
 
 
+def report_ratios(track: Track, mine: dict, reference: dict, ratios: tuple[Target, ...] | None = None) -> int:
+    """Print each metric for both engines, their ratio and a verdict on it (`ratios`: RATIOS by
+    default). Returns the exit status: 0 every ratio within its limit, 1 one is not."""
+    ratios = RATIOS if ratios is None else ratios
+    print(f"\n{track.name}, your engine against the reference on this machine: {track.workload()}")
+    print(f"        {'metric':<18} {'yours':>10} {'reference':>10} {'ratio':>7}  limit")
+    missed = []
+    for r in ratios:
+        ratio = mine[r.metric] / reference[r.metric] if reference[r.metric] else float("inf")
+        ok = r.met(ratio)
+        missed += [] if ok else [r]
+        name, unit = METRICS[r.metric]
+        print(f"  {'PASS' if ok else 'MISS'}  {name:<18} {mine[r.metric]:>10.1f} {reference[r.metric]:>10.1f} "
+              f"{ratio:>6.2f}×  {'≥' if r.at_least else '≤'} {r.limit:g}×  ({unit})")
+    if missed:
+        print(f"{track.name}: {len(missed)} of {len(ratios)} ratios missed "
+              f"({', '.join(METRICS[r.metric][0] for r in missed)}); weeks/capstone/README.md, section 7, "
+              "says what each one points to")
+        return 1
+    print(f"{track.name}: all {len(ratios)} ratios met: your engine keeps up with the reference on this machine")
+    return 0
+
+
 def run_check(args: argparse.Namespace, track: Track) -> int:
-    """`nanoserve bench serving --check NAME`: the benchmark on the track's workload, then the verdicts."""
+    """`nanoserve bench serving --check NAME`: the benchmark on the track's workload, then the
+    verdicts; with `--compare-reference`, the reference's run first and the verdicts on ratios."""
     from nanoserve.bench.serving import bench_serving
+    from nanoserve.course.stubs import ENV_VAR, workspace_from_env
 
     apply_track(args, track)
-    result = bench_serving(args)
-    return report(track, result["rows"][0])
+    if not getattr(args, "compare_reference", False):
+        return report(track, bench_serving(args)["rows"][0])
+    if workspace_from_env() is None:
+        raise ValueError(f"--compare-reference compares a workspace with the reference: set {ENV_VAR}")
+    out = args.out
+    args.out = str(Path(out) / "reference")  # the two runs' JSON files side by side
+    reference = bench_serving(args, reference=True)["rows"][0]
+    args.out = out
+    return report_ratios(track, bench_serving(args)["rows"][0], reference)

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="latency, throughput: where the time of a decode step goes")
     p.add_argument("--check", choices=sorted(TRACKS), default=None,
                    help="serving: run a capstone track's workload and check its targets (weeks/capstone/README.md)")
+    p.add_argument("--compare-reference", action="store_true",
+                   help="with --check: serve the reference engine on the same workload first, on this machine, and "
+                        "judge the workspace by its ratios to it instead of the absolute targets (default: off)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="throughput: split the requests over this many replicas, each a process on GPUs of its "
                         "own; serving: serve them behind the data-parallel front (week 18)")
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and (args.check or set(todo) - {"prefix", "spec"}):
         raise ValueError(f"--repeats sets the processes per setting of prefix and spec, not of "
                          f"{'--check' if args.check else args.what}")
+    if args.compare_reference and not args.check:
+        raise ValueError("--compare-reference judges a capstone track's run: add --check capstone-cpu (or -gpu)")
     if args.check:
         from nanoserve.bench.capstone import TRACKS, run_check
 

@@ -12,8 +12,12 @@ from pathlib import Path
 from nanoserve.bench.common import print_table, save_and_plot, vocab_size_of
 from nanoserve.scheduler.simulator import percentile
 
+REFERENCE = Path(__file__).resolve().parents[1]  # the nanoserve/ package this file belongs to
 
-def bench_serving(args) -> dict:
+
+def bench_serving(args, reference: bool = False) -> dict:
+    """The serving benchmark on the engine NANOSERVE_WORKSPACE names (the reference if it is
+    not set, or if `reference`)."""
     import asyncio
     import os
     import subprocess
@@ -29,12 +33,13 @@ def bench_serving(args) -> dict:
            "--served-model-name", "bench", "--port", str(args.port), "--log-level", "warning"]
     cmd += engine_options(args) + args.server_args.split()
     # `python -m` puts its working directory first on sys.path: run the server in the learner's
-    # workspace and it imports their nanoserve, whatever PYTHONPATH or the installed package say.
-    workspace = workspace_from_env()
+    # workspace and it imports their nanoserve, whatever PYTHONPATH or the installed package say;
+    # run it beside this package (the reference) otherwise, whatever folder the command ran in.
+    workspace = None if reference else workspace_from_env()
     served = f"{workspace / 'nanoserve'} ({ENV_VAR}={workspace})" if workspace else \
-        f"{Path(__file__).parent} (the reference: {ENV_VAR} is not set)"
+        f"{REFERENCE} (the reference{'' if reference else f': {ENV_VAR} is not set'})"
     print(f"serving the engine in {served}")
-    server = subprocess.Popen(cmd, env=os.environ.copy(), cwd=workspace)
+    server = subprocess.Popen(cmd, env=os.environ.copy(), cwd=workspace or REFERENCE.parent)
     try:
         deadline = time.time() + 600
         while True:

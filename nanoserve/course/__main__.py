@@ -2,6 +2,6 @@
 
 import sys
 
-from nanoserve.course.workspace import main
+from nanoserve.course.cli import main
 
 sys.exit(main())

@@ -1,13 +1,4 @@
-"""The learner's workspace: stubs generated from the reference, and one command per step.
-
-    python -m nanoserve.course start --week 3     # make workspace/ with weeks 3.. stubbed out
-    python -m nanoserve.course check --week 3     # run week 3's tests against your workspace
-    python -m nanoserve.course check              # progress over all weeks
-    python -m nanoserve.course peek rmsnorm       # show the reference solution of one exercise
-    python -m nanoserve.course reset --week 3     # put week 3's stubs back
-    python -m nanoserve.course notebook --week 3  # open week 3's notebook on your workspace
-
-(`nanoserve course ...` is the same command.)
+"""The learner's workspace: stubs generated from the reference (the commands: cli.py).
 
 How it works. Every exercise in the reference `nanoserve/` sits between two marker comments:
 
@@ -26,7 +17,6 @@ do the same in their first cell, and `notebook --week N` starts Jupyter with the
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -227,8 +217,26 @@ def retire_stale_modules(target: Path, attic: Path) -> list[Path]:
     return moved
 
 
-def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
-    """Put back the stubs of one week's exercises in the workspace. Returns how many."""
+def find_exercise(name: str) -> list[Exercise]:
+    """The reference's exercises called `name` ('rmsnorm', 'week01:rmsnorm' or 'week01: rmsnorm').
+    Raises KeyError, listing every exercise, if there is none."""
+    matches = [e for e in all_exercises() if name in (e.name, e.key, e.key.replace(":", ": "))]
+    if not matches:
+        known = ", ".join(e.key for e in all_exercises())
+        raise KeyError(f"no exercise named {name!r}; the exercises are: {known}")
+    return matches
+
+
+def written_exercises(keys: set[str], workspace: Path = DEFAULT_WORKSPACE) -> list[str]:
+    """Those of the exercises `keys` that hold the learner's code (no stub) in the workspace."""
+    weeks = sorted({int(key[4:6]) for key in keys})  # 'week03:sample' -> 3
+    written = [f"week{w:02d}:{name}" for w in weeks for name, mine in exercise_status(w, workspace) if mine]
+    return [key for key in written if key in keys]
+
+
+def reset_exercises(keys: set[str], workspace: Path = DEFAULT_WORKSPACE) -> int:
+    """Put back the stubs of the exercises `keys` ('week03:sample', ...) in the workspace,
+    discarding what the learner wrote there. Returns how many."""
     target = workspace / "nanoserve"
     count = 0
     for rel in source_files():
@@ -236,7 +244,7 @@ def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
         if not dest.exists():
             continue
         lines = dest.read_text().splitlines(keepends=True)
-        exercises = [e for e in find_exercises(lines, rel) if e.week == week]
+        exercises = [e for e in find_exercises(lines, rel) if e.key in keys]
         for ex in reversed(exercises):  # from the bottom, so line numbers above stay valid
             lines[ex.begin + 1 : ex.end] = ex.stub()
             count += 1
@@ -245,57 +253,25 @@ def reset_week(week: int, workspace: Path = DEFAULT_WORKSPACE) -> int:
     return count
 
 
+def week_keys(week: int) -> set[str]:
+    return {e.key for e in all_exercises() if e.week == week}
 
 
 def peek(name: str) -> str:
     """The reference solution of one exercise ('rmsnorm' or 'week01:rmsnorm')."""
-    matches = [e for e in all_exercises() if name in (e.name, e.key, e.key.replace(":", ": "))]
-    if not matches:
-        known = ", ".join(e.key for e in all_exercises())
-        raise KeyError(f"no exercise named {name!r}; the exercises are: {known}")
     out = []
-    for ex in matches:
+    for ex in find_exercise(name):
         lines = (PACKAGE_DIR / ex.path).read_text().splitlines(keepends=True)
         out.append(f"--- {ex.key}  (nanoserve/{ex.path}, lines {ex.begin + 2}-{ex.end})\n")
         out += [line[len(ex.indent):] if line.startswith(ex.indent) else line for line in ex.body(lines)]
     return "".join(out)
 
 
-# ------------------------------------------------------------------------------- checking
-
-
-def run_week_tests(week: int, workspace: Path | None, extra: list[str] | None = None,
-                   quiet: bool = True) -> subprocess.CompletedProcess:
-    """Run tests/weekNN (fast tests only) against a workspace (or the reference if None)."""
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
-    if workspace is not None:
-        env[ENV_VAR] = str(Path(workspace).resolve())
-    cmd = [sys.executable, "-m", "pytest", f"tests/week{week:02d}", "-m", "not slow", "-q",
-           "-p", "no:cacheprovider", "--tb=line", "-rN",
-           "--continue-on-collection-errors"] + (extra or [])
-    return subprocess.run(cmd, cwd=REPO_DIR, env=env, capture_output=quiet, text=True)
-
-
-def _summary_line(output: str) -> str:
-    lines = [line for line in output.strip().splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
-    return lines[-1].strip("= ") if lines else "no tests ran"
-
-
-def _first_failure(output: str) -> str | None:
-    for line in output.splitlines():
-        if "NotImplementedError" in line and "exercise" in line:
-            m = re.search(r"week (\d\d) exercise '([a-z0-9-]+)'", line)
-            if m:
-                return f"exercise '{m[2]}' of week {int(m[1])} is still a stub"
-    for line in output.splitlines():
-        if re.match(r"^/?\S+\.py:\d+: ", line) or line.startswith("E "):
-            return line.strip()
-    return None
+# ------------------------------------------------------------------------------ exercise status
 
 
 def exercise_status(week: int, workspace: Path) -> list[tuple[str, bool]]:
-    """(exercise name, written?) for one week's exercises in the workspace."""
+    """(exercise name, written?) for one week's exercises in the workspace, in file order."""
     status = []
     for rel in source_files():
         dest = workspace / "nanoserve" / rel
@@ -303,41 +279,6 @@ def exercise_status(week: int, workspace: Path) -> list[tuple[str, bool]]:
             lines = dest.read_text().splitlines(keepends=True)
             status += [(e.name, not is_stub(e.body(lines))) for e in find_exercises(lines, rel) if e.week == week]
     return status
-
-
-def check(week: int, workspace: Path = DEFAULT_WORKSPACE) -> bool:
-    if not (workspace / "nanoserve").exists():
-        print(f"no workspace at {workspace}: run `python -m nanoserve.course start --week {week}` first")
-        return False
-    print(f"Week {week}: exercises in {workspace / 'nanoserve'}")
-    for name, written in exercise_status(week, workspace):
-        print(f"  [{'x' if written else ' '}] {name}{'' if written else '   (still a stub)'}")
-    result = run_week_tests(week, workspace)
-    output = result.stdout + result.stderr
-    passed = result.returncode == 0
-    print(f"Tests: {_summary_line(output)}")
-    if passed:
-        print(f"Week {week} passes. Next: `python -m nanoserve.course start --week {week + 1}`, "
-              f"then read weeks/week{week + 1:02d}/README.md.")
-    else:
-        failure = _first_failure(output)
-        if failure:
-            print(f"First failure: {failure}")
-        print(f"Next step: read weeks/week{week:02d}/README.md (its exercises section), fill in the stub, and run "
-              f"`pytest tests/week{week:02d} -x` with {ENV_VAR}={workspace} for the full details. "
-              "Stuck? `python -m nanoserve.course peek NAME` shows a solution; for week 2, "
-              "`nanoserve compare` names the first layer that differs from HuggingFace.")
-    return passed
-
-
-def progress(workspace: Path = DEFAULT_WORKSPACE) -> None:
-    print(f"{'week':>4}  {'exercises written':>17}  tests")
-    for week in weeks_with_exercises():
-        status = exercise_status(week, workspace) if (workspace / "nanoserve").exists() else []
-        written = sum(w for _, w in status)
-        result = run_week_tests(week, workspace if status else None)
-        verdict = "pass" if result.returncode == 0 else "FAIL"
-        print(f"{week:>4}  {written:>8}/{len(status) or '-':<8}  {verdict}: {_summary_line(result.stdout)}")
 
 
 # ------------------------------------------------------------------------------- notebooks
@@ -402,64 +343,3 @@ def open_notebook(week: int, workspace: Path = DEFAULT_WORKSPACE, no_browser: bo
             return child.wait()
         except KeyboardInterrupt:  # Jupyter got the Ctrl-C too: let it ask and shut down itself
             continue
-
-
-# ------------------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nanoserve course", description="take the course: stubs, checks, hints")
-    ap.add_argument("--workspace", type=Path, default=DEFAULT_WORKSPACE)
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("start", help="create or update the workspace, stubbed from --week on")
-    p.add_argument("--week", type=int, required=True)
-    p = sub.add_parser("check", help="run a week's tests on the workspace (all weeks if no --week)")
-    p.add_argument("--week", type=int)
-    p = sub.add_parser("peek", help="show the reference solution of one exercise")
-    p.add_argument("exercise")
-    p = sub.add_parser("reset", help="put a week's stubs back")
-    p.add_argument("--week", type=int, required=True)
-    sub.add_parser("list", help="list every exercise")
-    p = sub.add_parser("notebook", help="open a week's notebook in JupyterLab, on the workspace",
-                       description="Any other option goes to JupyterLab, e.g. --port 8890.")
-    p.add_argument("--week", type=int, required=True)
-    p.add_argument("--no-browser", action="store_true",
-                   help="start the server without opening a browser, and print its address (headless, ssh)")
-    p.add_argument("--dry-run", action="store_true", help="print the command and its environment, run nothing")
-    p.add_argument("--workspace", type=Path, default=argparse.SUPPRESS,
-                   help="the workspace to use (default: workspace/ in the repository)")
-    args, jupyter_args = ap.parse_known_args(argv)
-    if jupyter_args and args.command != "notebook":
-        ap.error(f"unrecognized arguments: {' '.join(jupyter_args)}")
-
-    if args.command == "start":
-        target = make_workspace(args.week, args.workspace)
-        stubbed = [e.key for e in all_exercises() if e.week >= args.week]
-        print(f"workspace ready: {target}  ({len(stubbed)} exercises to write, weeks {args.week}+)")
-        print(f"Edit the files there, then: python -m nanoserve.course check --week {args.week}")
-        return 0
-    if args.command == "check":
-        if args.week is None:
-            progress(args.workspace)
-            return 0
-        return 0 if check(args.week, args.workspace) else 1
-    if args.command == "peek":
-        try:
-            print(peek(args.exercise), end="")
-        except KeyError as e:
-            print(e.args[0], file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "reset":
-        n = reset_week(args.week, args.workspace)
-        print(f"restored {n} stub(s) of week {args.week} in {args.workspace / 'nanoserve'}")
-        return 0
-    if args.command == "notebook":
-        return open_notebook(args.week, args.workspace, args.no_browser, args.dry_run, jupyter_args)
-    for ex in all_exercises():
-        print(f"{ex.key:<40} nanoserve/{ex.path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

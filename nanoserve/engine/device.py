@@ -9,6 +9,7 @@ import torch
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.paged import PagedKVCache
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
@@ -42,17 +43,18 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
     cfg = model.config
     max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    # Week 12: CUDA graphs for decode steps (Triton backend; on by default on CUDA).
+    # Week 12: CUDA graphs for decode steps and fused kernels (Triton backend; on by default on
+    # CUDA, in a learner's workspace once week 12 is written, so no earlier week runs its stubs).
     # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
     # anything: that is how the CPU tests check them.
-    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else device.startswith("cuda")) \
-        and attention_backend == "triton"
+    week12 = device.startswith("cuda") and 12 not in stubbed_weeks()
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12) and attention_backend == "triton"
     runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
                        max_model_len=max_model_len, max_batch=c.max_num_seqs,
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
-                       fused_kernels=c.fused_kernels if c.fused_kernels is not None else device.startswith("cuda"))
+                       fused_kernels=c.fused_kernels if c.fused_kernels is not None else week12)
     kv_sizing = None
     num_blocks = c.num_blocks
     if num_blocks is None:

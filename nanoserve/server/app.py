@@ -38,6 +38,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server import handlers, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
@@ -272,14 +273,18 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
-               metrics: bool = True, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
+               metrics: bool | None = None, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS, allowed_origins: Sequence[str] = (),
                public_docs: bool = False) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
     with the server's `ServerState` (also at `app.state.server`). `metrics`: serve `GET /metrics`
-    (week 16); `log_requests`: one JSON line per finished request on the `nanoserve.requests` logger.
-    `allowed_hosts`, `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for
-    a server on loopback; `allowed_hosts_for` gives them for another address)."""
+    (week 16; by default on, but in a learner's workspace only once week 16 is written, so that an
+    earlier week's server never calls its stub: nanoserve/course/stubs.py); `log_requests`: one JSON
+    line per finished request on the `nanoserve.requests` logger. `allowed_hosts`, `allowed_origins`,
+    `public_docs`: see `Guard` (the default hosts are right for a server on loopback;
+    `allowed_hosts_for` gives them for another address)."""
+    if metrics is None:
+        metrics = 16 not in stubbed_weeks()
     app = FastAPI(title="nanoserve", version="0.1.0")
     state = ServerState(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                         default_max_tokens=default_max_tokens, metrics=ServerMetrics(engine) if metrics else None)

@@ -7,6 +7,8 @@ import pytest
 from nanoserve.model.config import ConfigError, ModelConfig, RopeScaling
 from nanoserve.testing import make_checkpoint, tiny_config
 
+pytestmark = pytest.mark.exercise("config-from-dict")
+
 # Llama-3.2-1B's config.json as published (transformers 4.x format: rope_theta + rope_scaling).
 LLAMA_32_1B_JSON = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,

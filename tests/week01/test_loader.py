@@ -34,6 +34,7 @@ def assert_same_weights(ours, hf):
     assert checked == len(hf_state) - int(hf.config.tie_word_embeddings)
 
 
+@pytest.mark.exercise("name-mapping")
 def test_name_mapping():
     assert hf_to_nanoserve("model.layers.3.self_attn.k_proj.weight") == ("layers.3.self_attn.qkv_proj.weight", 1)
     assert hf_to_nanoserve("model.layers.0.mlp.up_proj.weight") == ("layers.0.mlp.gate_up_proj.weight", 1)
@@ -42,6 +43,7 @@ def test_name_mapping():
     assert hf_to_nanoserve("lm_head.weight") == ("lm_head.weight", None)
 
 
+@pytest.mark.exercise("load-weights")
 @pytest.mark.parametrize("tied", [True, False])
 def test_single_file_checkpoint_loads_exactly(tmp_path, tied):
     path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config(tie_word_embeddings=tied))
@@ -52,6 +54,7 @@ def test_single_file_checkpoint_loads_exactly(tmp_path, tied):
         assert ours.lm_head.weight is not ours.embed_tokens.weight
 
 
+@pytest.mark.exercise("load-weights")
 def test_sharded_checkpoint_loads_exactly(tmp_path):
     path, hf = make_checkpoint(tmp_path / "ckpt", tiny_config(num_hidden_layers=4), max_shard_size="200KB")
     assert (path / "model.safetensors.index.json").exists()
@@ -59,6 +62,7 @@ def test_sharded_checkpoint_loads_exactly(tmp_path):
     assert_same_weights(load_model(path), hf)
 
 
+@pytest.mark.exercise("load-weights")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtype_is_the_callers_choice(tmp_path, dtype):
     path, hf = make_checkpoint(tmp_path / "ckpt")
@@ -75,6 +79,7 @@ def _rewrite(path, change):
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
+@pytest.mark.exercise("load-weights")
 def test_missing_tensor_is_named(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt")
     _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"))
@@ -82,6 +87,7 @@ def test_missing_tensor_is_named(tmp_path):
         load_model(path)
 
 
+@pytest.mark.exercise("load-weights")
 def test_missing_norm_is_named(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt")
     _rewrite(path, lambda t: t.pop("model.norm.weight"))
@@ -89,6 +95,7 @@ def test_missing_norm_is_named(tmp_path):
         load_model(path)
 
 
+@pytest.mark.exercise("load-weights")
 def test_untied_checkpoint_without_lm_head_is_an_error(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt", tiny_config(tie_word_embeddings=False))
     _rewrite(path, lambda t: t.pop("lm_head.weight"))
@@ -96,6 +103,7 @@ def test_untied_checkpoint_without_lm_head_is_an_error(tmp_path):
         load_model(path)
 
 
+@pytest.mark.exercise("load-weights")
 def test_unexpected_tensor_is_named(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt")
     _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
@@ -103,6 +111,7 @@ def test_unexpected_tensor_is_named(tmp_path):
         load_model(path)
 
 
+@pytest.mark.exercise("load-weights")
 def test_shape_mismatch_is_named(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt")
 
@@ -115,6 +124,7 @@ def test_shape_mismatch_is_named(tmp_path):
         load_model(path)
 
 
+@pytest.mark.exercise("load-weights")
 def test_shape_mismatch_with_config(tmp_path):
     path, _ = make_checkpoint(tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())

@@ -14,6 +14,7 @@ from nanoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_in
 from nanoserve.testing import LLAMA_3_2_1B, tiny_config
 
 
+@pytest.mark.exercise("rmsnorm")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("shape", [(7, 64), (3, 5, 2048)])
 def test_rmsnorm_matches_hf(dtype, atol, shape):
@@ -29,6 +30,7 @@ def test_rmsnorm_matches_hf(dtype, atol, shape):
     torch.testing.assert_close(out, theirs(x), atol=atol, rtol=0)
 
 
+@pytest.mark.exercise("rmsnorm")
 def test_rmsnorm_output_has_unit_rms():
     norm = RMSNorm(512, eps=1e-6)
     y = norm(torch.randn(10, 512) * 7 + 2)
@@ -47,6 +49,7 @@ ROPE_CASES = {
 }
 
 
+@pytest.mark.exercise("rope-inv-freq")
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_inv_freq_matches_hf(case):
     hf = LlamaRotaryEmbedding(_hf_config(ROPE_CASES[case]))
@@ -57,6 +60,7 @@ def test_inv_freq_matches_hf(case):
     torch.testing.assert_close(inv_freq, hf.inv_freq, atol=0, rtol=0)
 
 
+@pytest.mark.exercise("rope-inv-freq")
 def test_llama3_scaling_changes_only_low_frequencies():
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"],
                                  **_hf_config(LLAMA_3_2_1B).to_dict()})
@@ -67,6 +71,7 @@ def test_llama3_scaling_changes_only_low_frequencies():
     assert (scaled <= plain).all()
 
 
+@pytest.mark.exercise("rope-cos-sin", "apply-rope")
 @pytest.mark.parametrize("case", ROPE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cos_sin_and_rotation_match_hf(case, dtype):
@@ -87,6 +92,7 @@ def test_cos_sin_and_rotation_match_hf(case, dtype):
     torch.testing.assert_close(apply_rope(k, cos, sin), hf_k[0].transpose(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.exercise("rope-cos-sin", "apply-rope")
 def test_rope_is_relative():
     """The score between a rotated query and key depends only on their distance."""
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"],

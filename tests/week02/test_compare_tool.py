@@ -1,11 +1,14 @@
 """Week 2: the per-layer debugger finds the first layer that diverges."""
 
+import pytest
 import torch
 
 from nanoserve.cli import main
 from nanoserve.bench.compare import compare_with_hf, first_divergence, format_report
 from nanoserve.model.loader import load_model
 from nanoserve.testing import make_checkpoint, tiny_config
+
+pytestmark = pytest.mark.exercise("model-forward")
 
 
 def test_agreeing_models(tmp_path):

@@ -45,6 +45,7 @@ def hf_causal_mask(T):
     return torch.full((T, T), float("-inf")).triu(1)[None, None]
 
 
+@pytest.mark.exercise("causal-attention")
 @pytest.mark.parametrize("kind", HEADS)
 def test_causal_attention_reference_equals_sdpa(kind):
     heads, kv = HEADS[kind]
@@ -57,6 +58,7 @@ def test_causal_attention_reference_equals_sdpa(kind):
     torch.testing.assert_close(causal_attention(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("causal-attention")
 def test_causal_attention_with_offset_sees_the_past():
     """Queries at positions 5..7 against keys 0..7: the last 3 rows of full attention."""
     q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
@@ -64,6 +66,7 @@ def test_causal_attention_with_offset_sees_the_past():
     torch.testing.assert_close(causal_attention(q[5:], k, v, q_start=5), full[5:])
 
 
+@pytest.mark.exercise("attention")
 @pytest.mark.parametrize("kind", HEADS)
 def test_attention_matches_hf(kind):
     hf_cfg, cfg = configs(kind)
@@ -81,6 +84,7 @@ def test_attention_matches_hf(kind):
     torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("prefill-context")
 def test_packed_sequences_do_not_see_each_other():
     hf_cfg, cfg = configs("gqa")
     attn = Attention(cfg, layer_idx=0)
@@ -95,6 +99,7 @@ def test_packed_sequences_do_not_see_each_other():
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.exercise("swiglu")
 def test_mlp_matches_hf():
     hf_cfg, cfg = configs("gqa")
     theirs, ours = LlamaMLP(hf_cfg), MLP(cfg)
@@ -104,6 +109,7 @@ def test_mlp_matches_hf():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.exercise("decoder-layer")
 @pytest.mark.parametrize("kind", HEADS)
 def test_decoder_layer_matches_hf(kind):
     hf_cfg, cfg = configs(kind)

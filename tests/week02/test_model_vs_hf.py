@@ -37,6 +37,7 @@ def assert_close_scaled(actual, expected, msg=""):
     torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5, msg=msg)
 
 
+@pytest.mark.exercise("model-forward")
 @torch.no_grad()
 def test_hidden_states_and_logits_match(pair):
     hf, ours = pair
@@ -52,6 +53,7 @@ def test_hidden_states_and_logits_match(pair):
     assert_close_scaled(ours.compute_logits(hidden), expected.logits[0])
 
 
+@pytest.mark.exercise("prefill-context")
 @torch.no_grad()
 def test_packed_batch_equals_one_at_a_time(pair):
     _, ours = pair
@@ -65,6 +67,7 @@ def test_packed_batch_equals_one_at_a_time(pair):
         assert_close_scaled(packed_last[i : i + 1], alone)
 
 
+@pytest.mark.exercise("greedy-no-cache")
 @pytest.mark.parametrize("prompt_len", [1, 9, 40])
 def test_greedy_generation_matches_hf_generate(pair, prompt_len):
     hf, ours = pair

@@ -15,6 +15,7 @@ def pair(tmp_path_factory):
     return hf, load_model(path)
 
 
+@pytest.mark.exercise("naive-cache-attend", "naive-cache-generate")
 def test_cache_equals_recompute_and_hf(pair):
     hf, ours = pair
     gen = torch.Generator().manual_seed(3)
@@ -28,6 +29,7 @@ def test_cache_equals_recompute_and_hf(pair):
         assert len(set(got)) >= 6
 
 
+@pytest.mark.exercise("naive-cache-attend")
 @torch.no_grad()
 def test_decode_step_reads_the_past_from_the_cache(pair):
     """Feeding the prompt, then one token, gives the logits of running the whole sequence."""

@@ -13,6 +13,7 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import filtered_logits, make_generator, sample
 
 
+@pytest.mark.exercise("validate-params")
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -33,6 +34,7 @@ def test_invalid_params_raise_clear_errors(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.exercise("validate-params")
 def test_a_single_stop_string_becomes_a_list():
     assert SamplingParams(stop="\n").stop == ["\n"]
 
@@ -62,6 +64,7 @@ CASES = [
 ]
 
 
+@pytest.mark.exercise("repetition-penalty", "top-k-top-p")
 @pytest.mark.parametrize("p", CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-r{p.repetition_penalty}")
 def test_filtered_distribution_matches_hf(p):
     logits = torch.randn(4, 100) * 3
@@ -72,6 +75,7 @@ def test_filtered_distribution_matches_hf(p):
         torch.testing.assert_close(ours[i], theirs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.exercise("repetition-penalty", "top-k-top-p")
 def test_rows_keep_their_own_params():
     logits = torch.randn(len(CASES), 100) * 3
     seen = [[3, 4]] * len(CASES)
@@ -82,6 +86,7 @@ def test_rows_keep_their_own_params():
         torch.testing.assert_close(together[i], hf_filter(logits[i], p, seen[i]).softmax(-1), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.exercise("top-k-top-p", "sample")
 def test_sampled_frequencies_match_filtered_probabilities():
     """20 000 draws land on each token as often as its filtered probability says (5 sigma)."""
     torch.manual_seed(1234)
@@ -97,6 +102,7 @@ def test_sampled_frequencies_match_filtered_probabilities():
     assert (probs > 0).sum() >= 3  # the test exercised a real choice
 
 
+@pytest.mark.exercise("sample")
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(5, 50)
     params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0)] * 2
@@ -104,6 +110,7 @@ def test_greedy_rows_take_the_argmax():
     assert torch.equal(out[:3], logits[:3].argmax(-1))
 
 
+@pytest.mark.exercise("sample")
 def test_seeded_requests_reproduce_whatever_shares_the_batch():
     logits = torch.randn(6, 300)
     params = [SamplingParams(temperature=1.0, seed=7 + i) for i in range(6)]

@@ -33,6 +33,7 @@ def test_chat_template(tok):
     assert ids.count(tok.bos_token_id) == 1
 
 
+@pytest.mark.exercise("detokenize")
 @pytest.mark.parametrize("text", TEXTS)
 def test_streaming_matches_full_decode_at_every_step(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
@@ -52,12 +53,14 @@ def test_streaming_matches_full_decode_at_every_step(tok, text):
         assert held_back_steps > 0, "no character was split across tokens: the test proved little"
 
 
+@pytest.mark.exercise("detokenize")
 def test_special_tokens_add_no_text(tok):
     detok = IncrementalDetokenizer(tok)
     ids = tok.encode("Hello") + [tok.eos_token_id]
     assert "".join(detok.add(t) for t in ids) + detok.flush() == "Hello"
 
 
+@pytest.mark.exercise("detokenize")
 def test_broken_bytes_at_the_end_are_flushed(tok):
     """A sequence that ends inside a character: flush returns what the decoder makes of it."""
     ids = tok.encode("🎉", add_special_tokens=False)

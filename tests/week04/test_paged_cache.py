@@ -12,6 +12,7 @@ from nanoserve.attention.paged import PagedKVCache
 from nanoserve.attention.naive import naive_cache_waste
 
 
+@pytest.mark.exercise("allocate", "free")
 @settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(1, 64), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=300))
 def test_allocator_invariants(num_blocks, ops):
@@ -38,6 +39,7 @@ def test_allocator_invariants(num_blocks, ops):
     assert alloc.num_free == num_blocks
 
 
+@pytest.mark.exercise("allocate", "free")
 def test_double_free_and_bad_pool():
     alloc = BlockAllocator(2)
     b = alloc.allocate()
@@ -48,6 +50,7 @@ def test_double_free_and_bad_pool():
         BlockAllocator(0)
 
 
+@pytest.mark.exercise("allocate")
 def test_out_of_blocks_is_clear():
     alloc = BlockAllocator(1)
     alloc.allocate()
@@ -55,12 +58,14 @@ def test_out_of_blocks_is_clear():
         alloc.allocate()
 
 
+@pytest.mark.exercise("slot-of")
 def test_slot_arithmetic():
     table = [7, 2, 9]
     assert [slot_of(table, p, 4) for p in range(10)] == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
     assert [blocks_needed(n, 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
 
 
+@pytest.mark.exercise("write-kv", "gather-kv")
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 50])
 def test_write_and_gather_through_a_shuffled_block_table(block_size, length):
@@ -79,6 +84,7 @@ def test_write_and_gather_through_a_shuffled_block_table(block_size, length):
     assert cache.k[1][~used].abs().sum() == 0  # nothing written outside the sequence's blocks
 
 
+@pytest.mark.exercise("write-kv", "gather-kv")
 def test_two_sequences_share_the_pool_without_clobbering():
     cache = PagedKVCache(1, 8, 4, 1, 2)
     tables = {"a": [5, 0], "b": [3, 6, 1]}

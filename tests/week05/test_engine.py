@@ -29,6 +29,7 @@ def hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.exercise("prepare-inputs", "schedule", "engine-step")
 def test_ragged_batch_equals_hf_one_prompt_at_a_time(ckpt, prompts):
     path, hf = ckpt
     llm = LLM(str(path), device="cpu", batching="admit-all", block_size=16, num_blocks=128)
@@ -41,6 +42,7 @@ def test_ragged_batch_equals_hf_one_prompt_at_a_time(ckpt, prompts):
     assert llm.engine.num_steps == 24  # one prefill step, then 23 decode steps for all
 
 
+@pytest.mark.exercise("prepare-inputs", "engine-step")
 def test_small_blocks_and_text_prompts(ckpt):
     path, hf = ckpt
     llm = LLM(str(path), device="cpu", batching="admit-all", block_size=4, num_blocks=256)
@@ -53,6 +55,7 @@ def test_small_blocks_and_text_prompts(ckpt):
         assert out.text == llm.tokenizer.decode(out.token_ids)
 
 
+@pytest.mark.exercise("engine-step")
 def test_max_tokens_and_stop_tokens(ckpt, prompts):
     path, _ = ckpt
     llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
@@ -66,6 +69,7 @@ def test_max_tokens_and_stop_tokens(ckpt, prompts):
     assert out.token_ids == full[:3] and out.finish_reason == "length"
 
 
+@pytest.mark.exercise("engine-step")
 def test_eos_from_the_config_stops_generation(ckpt, prompts, tmp_path):
     path, hf = ckpt
     full = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128).generate(prompts[3], GREEDY)[0].token_ids
@@ -83,6 +87,7 @@ def test_eos_from_the_config_stops_generation(ckpt, prompts, tmp_path):
     assert ignored.token_ids == full
 
 
+@pytest.mark.exercise("stop-strings")
 def test_stop_strings_cut_the_text(ckpt):
     path, _ = ckpt
     llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
@@ -102,6 +107,7 @@ def test_stop_strings_cut_the_text(ckpt):
     assert eng.scheduler.allocator.num_free == eng.scheduler.allocator.num_blocks
 
 
+@pytest.mark.exercise("schedule")
 def test_abort_frees_blocks(ckpt, prompts):
     path, _ = ckpt
     llm = LLM(str(path), device="cpu", batching="admit-all", num_blocks=128)
@@ -132,6 +138,7 @@ def test_user_errors_are_clear(ckpt):
         llm.generate(["a", "b"], [GREEDY] * 3)
 
 
+@pytest.mark.exercise("engine-step")
 def test_tiny_model_generates_text():
     llm = LLM("tiny", device="cpu", batching="admit-all")
     out = llm.generate("Return the", SamplingParams(temperature=0, max_tokens=12))[0]

@@ -9,6 +9,8 @@ from nanoserve.attention.base import causal_attention
 from nanoserve.scheduler.blocks import blocks_needed, slot_of
 from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
 
+pytestmark = pytest.mark.exercise("paged-attention-reference")
+
 
 def run_paged(seqs, block_size, heads, kv_heads, head_dim=16, num_blocks=256, seed=0):
     """seqs: list of (cached_len, new_len). Fills the cache with the cached part through random

@@ -61,6 +61,7 @@ def decode(*lens):
     return [(n - 1, 1) for n in lens]
 
 
+@pytest.mark.exercise("paged-attention-kernel")
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -71,12 +72,14 @@ def test_decode_grid_of_shapes(block_size, head_dim, group):
           head_dim=head_dim)
 
 
+@pytest.mark.exercise("merge-splits")
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_long_and_short_mixed_with_context_splits(num_splits):
     """Flash-decoding: splitting a 2k context across programs changes nothing but speed."""
     check(decode(2048, 5, 1500, 16), block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, num_splits=num_splits)
 
 
+@pytest.mark.exercise("paged-attention-kernel")
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_fresh_prompts(group):
     """Prefill: nothing cached before, causal attention among the prompt's own tokens; lengths
@@ -85,6 +88,7 @@ def test_fresh_prompts(group):
           head_dim=64)
 
 
+@pytest.mark.exercise("paged-attention-kernel", "merge-splits")
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 5])
 def test_new_tokens_over_a_cached_past(num_splits):
     """Decode, a fresh prompt, a chunk over a long past, a 5-token guess over a short one, in one

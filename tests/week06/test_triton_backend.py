@@ -23,6 +23,7 @@ def test_default_and_override(monkeypatch):
         select_backend("cuda")
 
 
+@pytest.mark.exercise("triton-read")
 def test_engine_with_triton_backend_matches_hf(tmp_path):
     """Greedy float32 outputs for ragged prompts equal HF, with the Triton kernel decoding
     (compiled on CUDA, interpreted on the CPU)."""

@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,8 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence
 from nanoserve.testing import check_block_invariants, make_checkpoint, run_scheduler, tiny_config
+
+pytestmark = pytest.mark.exercise("continuous")
 
 
 def seq(prompt_len, max_tokens):

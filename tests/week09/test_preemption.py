@@ -11,6 +11,8 @@ from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence, SequenceStatus
 from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
+pytestmark = pytest.mark.exercise("make-room", "preempt-sequence")
+
 
 def seq(prompt_len, max_tokens):
     return Sequence([3] * prompt_len, SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -106,8 +106,9 @@ def conforms(operation, body) -> bool:
 
 
 def test_every_endpoint_is_in_the_schema(operations):
+    metrics = set() if 16 in stubbed_weeks() else {"GET /metrics"}  # week 16's: off in a workspace until written
     assert set(operations) >= {"GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
-                               "POST /v1/completions", "POST /v1/chat/completions"}, sorted(operations)
+                               "POST /v1/completions", "POST /v1/chat/completions"} | metrics, sorted(operations)
 
 
 def test_fuzz_no_5xx_and_openai_errors(server, operations):

@@ -4,6 +4,7 @@ them and as the server enforces them."""
 import httpx
 import pytest
 
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.sampling.params import MAX_LOGPROBS, MIN_TOP_P
 from nanoserve.server import protocol
 from nanoserve.server.schema import MAX_N, MAX_STOP
@@ -54,6 +55,9 @@ def test_nested_parts_are_published(openapi):
 
 
 def test_metrics_is_text(openapi):
+    if 16 in stubbed_weeks():  # week 16's /metrics: off in a learner's workspace until week 16 is written
+        assert "/metrics" not in openapi["paths"]
+        return
     content = openapi["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(content) == ["text/plain"]
 

@@ -9,6 +9,8 @@ from openai import OpenAI
 
 from nanoserve.testing import ServerThread
 
+pytestmark = pytest.mark.exercise("engine-thread")
+
 
 def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
@@ -16,6 +18,7 @@ def test_health_and_models(server, client):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+@pytest.mark.exercise("async-generate")
 def test_completion_with_the_openai_client(client, reference):
     llm, complete = reference
     resp = client.completions.create(model="tiny", prompt="The list", max_tokens=12, temperature=0)
@@ -28,6 +31,7 @@ def test_completion_with_the_openai_client(client, reference):
     assert resp.object == "text_completion" and resp.model == "tiny" and resp.id.startswith("cmpl-")
 
 
+@pytest.mark.exercise("parse-params")
 def test_length_finish_and_stop_strings(client):
     resp = client.completions.create(model="tiny", prompt="Return the", max_tokens=3, temperature=0)
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 3
@@ -50,6 +54,7 @@ def test_chat_with_the_openai_client(client, reference):
     assert resp.object == "chat.completion"
 
 
+@pytest.mark.exercise("parse-params")
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="tiny", prompt="The", max_tokens=12, temperature=1.0, seed=1234)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -87,6 +92,7 @@ BAD = [
 ]
 
 
+@pytest.mark.exercise("parse-params")
 @pytest.mark.parametrize("name,body,raw,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_completion_requests(server, name, body, raw, status, param):
     resp = post(server, "/v1/completions", body, raw=raw)
@@ -123,6 +129,7 @@ def test_api_key():
         assert ok.completions.create(model="tiny", prompt="The", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.exercise("async-generate")
 def test_a_full_queue_answers_429_with_retry_after():
     import time
 

@@ -11,6 +11,8 @@ from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
+pytestmark = pytest.mark.exercise("sse-events")
+
 CHUNK_ID = re.compile(r"^(chatcmpl|cmpl)-[0-9a-f]{24}$")
 
 

@@ -8,6 +8,8 @@ import re
 import httpx
 import pytest
 
+pytestmark = pytest.mark.exercise("sse-events")
+
 
 
 

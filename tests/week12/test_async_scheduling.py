@@ -25,6 +25,8 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.scheduler.sequence import PENDING, Sequence
 from nanoserve.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.exercise("step-ahead")
+
 SHARED = list(range(30, 62))  # two full blocks of 16: prefix caching has something to reuse
 
 
@@ -65,6 +67,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.exercise("launched", "resolve")
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_same_outputs_as_the_plain_loop(name):
     if name == "chunked" and 15 in stubbed_weeks():
@@ -96,6 +99,7 @@ def test_stop_strings_one_step_late():
     assert plain == ahead and all(r == "stop" for _, _, r in ahead)
 
 
+@pytest.mark.exercise("launched", "resolve")
 def test_launched_and_resolved_by_the_scheduler():
     s = Scheduler(num_blocks=16, block_size=4, max_model_len=64)
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=10), stop_ids=frozenset({99}))

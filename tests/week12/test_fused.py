@@ -44,6 +44,7 @@ def test_add_rmsnorm(dtype):
     assert torch.equal(r_ref, expected_sum)
 
 
+@pytest.mark.exercise("rope-write-kv")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_write_kv(dtype):
     Hq, Hkv, D, T, block = 4, 2, 16, 3, 4
@@ -87,6 +88,7 @@ def test_gate_up_silu(dtype, rows):
         close(gate_up_silu(x, proj), torch.nn.functional.silu(gate) * up, dtype)
 
 
+@pytest.mark.exercise("rope-write-kv")
 @pytest.mark.parametrize("past,new", [([5, 2, 9], [1, 1, 1]), ([0, 6, 0], [7, 3, 1])], ids=["decode", "mixed"])
 def test_forward_with_fused_kernels_matches_the_model(tmp_path, past, new):
     """One step of three sequences with different pasts (a decode step; a prompt, a chunk over a

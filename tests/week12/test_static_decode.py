@@ -20,6 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton", reason="week 12 uses the week-6 Triton kernel: pip install triton (Linux)")
 
 
+@pytest.mark.exercise("padded-size")
 def test_padded_size():
     assert [padded_size(n, CAPTURE_SIZES) for n in (1, 2, 3, 5, 8, 9, 33, 200, 256)] == \
         [1, 2, 4, 8, 8, 16, 48, 224, 256]
@@ -37,6 +38,7 @@ def make_llm(path, graphs: bool, num_blocks: int = 64) -> LLM:
                fused_kernels=graphs)  # the graphs with week 12's kernels; the eager run without
 
 
+@pytest.mark.exercise("stage-inputs")
 def test_stage_fills_the_buffers_and_pads(checkpoint):
     path, _ = checkpoint
     llm = make_llm(path, graphs=True)
@@ -71,6 +73,7 @@ def test_stage_fills_the_buffers_and_pads(checkpoint):
     assert dec.block_tables[1, :3].tolist() == [20, 21, 22]
 
 
+@pytest.mark.exercise("stage-inputs")
 def test_static_decode_matches_eager_and_hf(checkpoint):
     """Ragged prompts, a batch of 5 padded to 8, greedy float32: same tokens as eager steps and HF."""
     path, hf = checkpoint

@@ -25,6 +25,7 @@ def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
+@pytest.mark.exercise("dequantize")
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
 def test_block_dequantizers_match_gguf(type_name):
     raw = random_blocks(type_name, 257)
@@ -45,6 +46,7 @@ def test_float_formats_match_gguf(type_name):
     assert torch.equal(ours, torch.from_numpy(expected))
 
 
+@pytest.mark.exercise("dequantize")
 def test_the_nibble_order():
     # byte j holds value j in its low nibble and value j + 16 in its high one
     header = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1, so each value is q - 8
@@ -54,6 +56,7 @@ def test_the_nibble_order():
     assert values[2:16].tolist() == [-8] * 14 and values[18:].tolist() == [15 - 8] * 14
 
 
+@pytest.mark.exercise("dequantize")
 def test_a_worked_q4_1_block():
     d, m = 0.5, -1.0
     header = np.array([d, m], dtype=np.float16).view(np.uint8)
@@ -64,6 +67,7 @@ def test_a_worked_q4_1_block():
     assert values[16:].tolist() == [d * (15 - j) + m for j in range(16)]  # high nibbles 15..0
 
 
+@pytest.mark.exercise("dequantize")
 def test_a_q8_0_block_reads_signed_quants():
     header = np.array([0.25], dtype=np.float16).view(np.uint8)
     qs = np.arange(-16, 16, dtype=np.int8).view(np.uint8)  # bytes 0xF0..0xFF, then 0x00..0x0F
@@ -71,6 +75,7 @@ def test_a_q8_0_block_reads_signed_quants():
     assert values.tolist() == [0.25 * q for q in range(-16, 16)]
 
 
+@pytest.mark.exercise("quantize")
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
 def test_own_quantizers_round_trip_and_gguf_reads_them(type_name):
     x = torch.randn(64, 96) * torch.rand(64, 1)  # rows of different scales
@@ -91,6 +96,7 @@ def test_own_quantizers_round_trip_and_gguf_reads_them(type_name):
     assert (err <= bound + 1e-6).all()
 
 
+@pytest.mark.exercise("quantize")
 @pytest.mark.parametrize("case", ["random", "wide", "constant", "zeros", "halfway"])
 def test_q4_1_quantizer_writes_the_bytes_gguf_writes(case):
     """Byte for byte llama.cpp's reference rule (through the `gguf` package): the minimum, the
@@ -106,6 +112,7 @@ def test_q4_1_quantizer_writes_the_bytes_gguf_writes(case):
     assert ours.tolist() == theirs.tolist()
 
 
+@pytest.mark.exercise("quantize")
 def test_a_worked_q4_1_quantization():
     x = torch.tensor([-1.0 + 0.25 * (j % 16) for j in range(32)])  # min -1, max 2.75: d = 3.75 / 15 = 0.25
     raw = quant.quantize(x, "Q4_1")

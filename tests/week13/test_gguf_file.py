@@ -30,6 +30,7 @@ def hf_model():
                                      num_key_value_heads=2), init_std=0.15)
 
 
+@pytest.mark.exercise("gguf-names")
 def test_gguf_names():
     assert gguf_file.gguf_to_hf("token_embd.weight") == "model.embed_tokens.weight"
     assert gguf_file.gguf_to_hf("output_norm.weight") == "model.norm.weight"
@@ -55,6 +56,7 @@ def rotate_neighbour_pairs(x, cos, sin):
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
+@pytest.mark.exercise("unpermute-qk")
 def test_unpermute_makes_llama_cpp_rope_equal_hf_rope():
     heads, head_dim, hidden = 3, 8, 12
     w = torch.randn(heads * head_dim, hidden)  # HF's row order
@@ -89,6 +91,7 @@ def file_weights_as_stored(hf_model, qtype):
     return model
 
 
+@pytest.mark.exercise("gguf-names", "unpermute-qk")
 @pytest.mark.parametrize("qtype", TYPES)
 @torch.no_grad()
 def test_each_storage_type_loads_and_matches(hf_model, qtype, tmp_path):

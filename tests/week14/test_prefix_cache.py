@@ -28,6 +28,7 @@ def chain(tokens, block_size):
     return hashes
 
 
+@pytest.mark.exercise("match-prefix")
 def test_equal_prefixes_have_equal_chains_and_one_token_changes_every_later_name():
     a = list(range(40))
     b = a[:17] + [999] + a[18:]  # differs in the 2nd token of block 2 (block size 8)
@@ -42,6 +43,7 @@ def test_equal_prefixes_have_equal_chains_and_one_token_changes_every_later_name
 # ------------------------------------------------------------------------------ the allocator
 
 
+@pytest.mark.exercise("release", "evict", "match-prefix")
 def test_three_states_lru_eviction_and_double_free():
     alloc = PrefixCachingAllocator(4)
     a, b = alloc.allocate(), alloc.allocate()
@@ -70,6 +72,7 @@ def test_three_states_lru_eviction_and_double_free():
         alloc.allocate()
 
 
+@pytest.mark.exercise("match-prefix")
 def test_match_names_the_chain_as_it_walks_and_stops_at_the_first_miss():
     """The lesson's worked example of `match-prefix`: blocks of 2, tokens 1..6."""
     tokens = [1, 2, 3, 4, 5, 6]
@@ -118,6 +121,7 @@ def check(s: Scheduler) -> None:
     assert all(not q.block_table for q in s.waiting), "a waiting sequence holds blocks"
 
 
+@pytest.mark.exercise("reuse-prefix")
 def test_a_shared_prefix_is_computed_once():
     s = make_scheduler()
     system = list(range(100, 110))  # 10 tokens: 2 full blocks of 4
@@ -131,6 +135,7 @@ def test_a_shared_prefix_is_computed_once():
     assert s.allocator.stats()["hit_tokens"] == 8
 
 
+@pytest.mark.exercise("reuse-prefix")
 def test_a_fully_cached_prompt_recomputes_its_last_block():
     """All of it cached, length a multiple of the block size: the last block is not reused (its
     last token must run to give logits, and a shared block is never written)."""
@@ -144,6 +149,7 @@ def test_a_fully_cached_prompt_recomputes_its_last_block():
     check(s)
 
 
+@pytest.mark.exercise("reuse-prefix")
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 3), st.integers(0, 9), st.integers(1, 12)),
                 min_size=1, max_size=24),
@@ -197,6 +203,7 @@ def run_waves(path, waves, caching, **kw):
     return outs, llm.engine
 
 
+@pytest.mark.exercise("reuse-prefix")
 def test_shared_system_prompts_same_tokens_and_exactly_the_saved_prefill(ckpt):
     path, _ = ckpt
     systems = [tokens(23, 1), tokens(9, 2)]
@@ -214,6 +221,7 @@ def test_shared_system_prompts_same_tokens_and_exactly_the_saved_prefill(ckpt):
     assert eng_on.scheduler.allocator.num_used == 0
 
 
+@pytest.mark.exercise("reuse-prefix")
 def test_multi_turn_chat_reuses_the_history(ckpt):
     """Each turn resends the whole conversation, the model's answers included."""
     path, _ = ckpt

@@ -12,6 +12,8 @@ from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence, SequenceStatus
 from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
+pytestmark = pytest.mark.exercise("chunked")
+
 
 def seq(prompt_len, max_tokens, token=3):
     return Sequence([token] * prompt_len, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -38,6 +40,7 @@ def test_a_prompt_is_cut_to_the_budget_and_samples_after_its_last_chunk():
     assert sizes == [16, 16, 8] and samples == [0, 0, 1]
 
 
+@pytest.mark.exercise("admit-chunks")
 def test_decodes_first_then_chunks_and_min_chunk():
     s = chunked(budget=20, block_size=4)
     streams = [seq(2, 50) for _ in range(6)]

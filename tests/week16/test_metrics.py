@@ -45,6 +45,7 @@ def server():
         yield s
 
 
+@pytest.mark.exercise("observe-request")
 def test_counts_and_histograms_after_a_known_sequence_of_requests(server):
     url, before = server.url, scrape(server.url)
     assert value(before, "nanoserve:kv_blocks_total") == 256
@@ -113,6 +114,7 @@ def test_counts_and_histograms_after_a_known_sequence_of_requests(server):
     assert value(after, "nanoserve:num_preemptions_total") == server.engine.scheduler.num_preemptions
 
 
+@pytest.mark.exercise("engine-metrics")
 def test_gauges_show_the_load_while_it_runs(server):
     with server.slowed(0.05):
         done = []

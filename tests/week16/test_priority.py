@@ -2,6 +2,7 @@
 values run first, preemption takes the worst-ranked sequence, and aging keeps anyone from
 waiting forever. FCFS stays the default and is unchanged."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,8 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence
 from nanoserve.testing import check_block_invariants, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
+
+pytestmark = pytest.mark.exercise("priority")
 
 
 def seq(prompt_len, max_tokens, priority=0):

@@ -213,6 +213,7 @@ def test_parquet_without_pyarrow_says_how_to_install_it(llm, tmp_path, monkeypat
         run_batch(llm.engine, tmp_path / "in.parquet", tmp_path / "out.jsonl", progress=False)
 
 
+@pytest.mark.exercise("resume")
 def test_resume_runs_only_the_missing_lines_and_drops_a_partial_last_line(llm, tmp_path):
     lines = [batch_line(f"r{i}", "/v1/completions", prompt=PROMPTS[i % len(PROMPTS)] + f" {i}", max_tokens=4,
                         temperature=0) for i in range(8)]
@@ -241,6 +242,7 @@ def test_resume_runs_only_the_missing_lines_and_drops_a_partial_last_line(llm, t
             {answer_text(r) for r in by_id[custom_id] if r["response"]}
 
 
+@pytest.mark.exercise("resume")
 def test_interrupt_and_resume_in_a_real_process(llm, tmp_path):
     # The first lines are short, the rest long: records appear at once, then the run takes a while.
     lines = [batch_line(f"r{i:02d}", "/v1/completions", prompt=f"Example {i}: the", temperature=0,

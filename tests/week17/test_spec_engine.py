@@ -13,6 +13,8 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import check_block_invariants, save_checkpoint
 from nanoserve.model.tiny import tiny_model_dir
 
+pytestmark = pytest.mark.exercise("add-drafts", "drop-rejected")
+
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",  # copy-heavy: prompt lookup finds it
     "the list, the list, the list, the",

@@ -17,6 +17,7 @@ GREEDY = SamplingParams(temperature=0)
 # The n-gram (prompt-lookup) proposer
 
 
+@pytest.mark.exercise("ngram-propose")
 @pytest.mark.parametrize(
     "tokens,k,max_n,expected",
     [
@@ -36,6 +37,7 @@ def test_ngram_proposer_hand_made(tokens, k, max_n, expected):
     assert NgramProposer(max_n=max_n).propose(tokens, k) == expected
 
 
+@pytest.mark.exercise("ngram-propose")
 def test_ngram_proposer_min_n_and_batch():
     assert NgramProposer(min_n=1).propose([1, 2, 3, 1], 3) == [2, 3, 1]
     assert NgramProposer(min_n=2).propose([1, 2, 3, 1], 3) == []  # only a 1-gram matches
@@ -59,6 +61,7 @@ def brute_force_propose(tokens, k, max_n, min_n):
     return []
 
 
+@pytest.mark.exercise("ngram-propose")
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(0, 6),
        max_n=st.integers(1, 5), data=st.data())
@@ -90,6 +93,7 @@ def test_greedy_accepts_the_prefix_that_matches_the_argmax():
     assert verify(logits[:2], [[wrong if best[0] == wrong else (best[0] + 1) % 50]], [GREEDY]) == [[best[0]]]
 
 
+@pytest.mark.exercise("rejection-rule")
 def test_greedy_mixed_batch_equals_sample_row_by_row():
     """Sequences with 0..4 drafts, half right, with a repetition penalty, sampled and greedy
     neighbours: every greedy sequence gets what `sample` gives it one row at a time."""
@@ -115,6 +119,7 @@ def test_greedy_mixed_batch_equals_sample_row_by_row():
     assert any(len(out[i]) > 1 for i in range(len(lengths)) if params[i].greedy)  # some accepted
 
 
+@pytest.mark.exercise("rejection-rule")
 def test_sampling_with_top_k_1_is_greedy():
     """top_k = 1 leaves one token with probability 1: accepted if drafted, drawn if not."""
     logits = torch.randn(9, 30)
@@ -194,6 +199,7 @@ def target_probs(row: torch.Tensor, params: SamplingParams, seen: list[int] | No
 SAMPLED = SamplingParams(temperature=0.8, top_k=5, top_p=0.95, repetition_penalty=1.3)
 
 
+@pytest.mark.exercise("rejection-rule")
 @pytest.mark.parametrize("draft_rank", [0, 2])  # the target's favourite, or its third choice
 def test_point_mass_drafts_emit_the_target_distribution(draft_rank):
     """An n-gram draft: the first token follows p0, the second (given the first draft was
@@ -219,6 +225,7 @@ def test_point_mass_drafts_emit_the_target_distribution(draft_rank):
     assert len(second) / N == pytest.approx(p[0][x1].item(), abs=5 * (0.25 / N) ** 0.5)
 
 
+@pytest.mark.exercise("rejection-rule")
 def test_a_draft_the_target_filters_out_is_never_accepted():
     torch.manual_seed(4)
     rows = torch.randn(2, 6)
@@ -304,6 +311,7 @@ def test_drafts_of_a_model_may_be_verified_as_point_masses():
 # Seeds, repetition penalty, argument checks
 
 
+@pytest.mark.exercise("rejection-rule")
 def test_seeded_sequences_reproduce_whatever_shares_the_batch():
     torch.manual_seed(6)
     V = 8

@@ -23,6 +23,7 @@ from nanoserve.server.data_parallel import (
 from nanoserve.testing import ServerThread
 
 
+@pytest.mark.exercise("route")
 def test_the_router_picks_the_fewest_outstanding_tokens():
     router = Router([Replica("a"), Replica("b"), Replica("c")])
     long = router.pick(4000)  # a long document goes to one replica...
@@ -34,6 +35,7 @@ def test_the_router_picks_the_fewest_outstanding_tokens():
     assert long.in_flight == 1 and long.sent == 2
 
 
+@pytest.mark.exercise("route")
 def test_ties_are_taken_in_turn_and_unhealthy_replicas_skipped():
     router = Router([Replica("a"), Replica("b")])
     first = router.pick(1)
@@ -98,6 +100,7 @@ def front(replicas):
 BODY = dict(model="tiny", prompt="The list", max_tokens=8, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.exercise("front")
 def test_the_front_spreads_requests_and_answers_like_one_replica(front, replicas):
     url, router = front
     direct = httpx.post(replicas[0].url + "/v1/completions", json=BODY, timeout=60).json()
@@ -111,6 +114,7 @@ def test_the_front_spreads_requests_and_answers_like_one_replica(front, replicas
     assert [r.outstanding for r in router.replicas] == [0, 0, 0]  # every request finished and was counted out
 
 
+@pytest.mark.exercise("front")
 def test_streams_pass_through_and_health_reports_each_replica(front):
     url, router = front
     with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True}, timeout=60) as r:

@@ -32,6 +32,7 @@ class Alone(Group):
         return x
 
 
+@pytest.mark.exercise("kv-heads")
 @pytest.mark.parametrize("kv_heads,size,expected", [
     (8, 2, [(0, 4), (4, 8)]),  # Llama-3.1-8B over 2 GPUs: 4 KV heads each
     (2, 2, [(0, 1), (1, 2)]),  # the tiny model
@@ -42,6 +43,7 @@ def test_kv_heads_are_split_or_replicated(kv_heads, size, expected):
     assert [kv_head_range(kv_heads, r, size) for r in range(size)] == expected
 
 
+@pytest.mark.exercise("kv-heads")
 @pytest.mark.parametrize("heads,kv_heads,size", [(6, 2, 2), (8, 2, 4), (32, 8, 2), (4, 1, 2), (32, 8, 8)])
 def test_each_rank_keeps_the_kv_heads_of_its_query_heads(heads, kv_heads, size):
     """Query head h attends to KV head h // (heads / kv_heads): a rank must hold exactly the KV
@@ -57,6 +59,7 @@ def _config(**overrides) -> ModelConfig:
     return ModelConfig.from_dict(tiny_config(model_type="llama", **overrides))
 
 
+@pytest.mark.exercise("shard-model")
 @pytest.mark.parametrize("kv_heads,rank,expected_kv", [(2, 1, 1), (1, 1, 0), (1, 0, 0)])
 @torch.no_grad()
 def test_qkv_shard_holds_my_heads_rows(kv_heads, rank, expected_kv, tmp_path):
@@ -89,6 +92,7 @@ def gqa_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.exercise("shard-model")
 @pytest.mark.parametrize("model", ["tiny", "gqa"])
 def test_shard_shapes(model, gqa_dir):
     name = "tiny" if model == "tiny" else gqa_dir
@@ -114,6 +118,7 @@ def _shards(name):
     return [shard_model(load_model(name), Alone(r, 2)) for r in range(2)]
 
 
+@pytest.mark.exercise("row-parallel")
 @torch.no_grad()
 def test_row_parallel_partial_sums_add_up_to_the_whole_mlp():
     """down(SwiGLU(gate_up(x))): each rank's partial output; their sum (the all-reduce) is the
@@ -142,6 +147,7 @@ def test_fused_gate_up_kernel_runs_on_a_column_parallel_shard():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("vocab-embedding")
 @torch.no_grad()
 def test_vocab_parallel_embedding_and_logits():
     """Each rank embeds the ids in its rows (zeros elsewhere): the sum is the embedding. Each
@@ -156,6 +162,7 @@ def test_vocab_parallel_embedding_and_logits():
     torch.testing.assert_close(logits, whole.lm_head(hidden), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("vocab-embedding")
 @torch.no_grad()
 def test_uneven_vocabulary_is_padded_and_cut(tmp_path):
     make_checkpoint(tmp_path, tiny_config(vocab_size=4093))  # not a multiple of 2
