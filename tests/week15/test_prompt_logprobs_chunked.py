@@ -49,7 +49,7 @@ def test_steps_with_prompt_rows_leave_the_graph_path(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU: Triton's interpreter
     eager = LLM("tiny", device=device, dtype=torch.float32, block_size=8, enable_chunked_prefill=True,
-                max_num_batched_tokens=24, kv_cache_memory=2**28)  # two engines share a GPU: 256 MiB each
+                max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=2**28)  # two engines share a GPU: 256 MiB each
     graphs = LLM("tiny", device=device, dtype=torch.float32, block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24,
                  attention_backend="triton", cuda_graphs=True, max_num_seqs=4, kv_cache_memory=2**28)
     graphs.generate(PROMPTS, plain)

@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 def draft_dir(tmp_path_factory):
     """The tiny model with noise on its matrices: same tokenizer, agrees with the target often
     but not always (about half of its guesses are accepted)."""
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir(), torch_dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -98,7 +98,7 @@ def test_equal_under_preemption(method, draft_dir, reference):
 
 def test_equal_with_prefix_caching_chunked_prefill_and_a_long_k(reference):
     llm = speculative("ngram", enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
-                      k=7)
+                      max_num_seqs=8, k=7)
     outs = run_checked(llm, PROMPTS + PROMPTS[:2], GREEDY)  # the repeats hit the prefix cache
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS + PROMPTS[:2]]
     assert llm.engine.prefix_cache_stats()["hit_tokens"] > 0
