@@ -9,28 +9,79 @@ import time
 
 import torch
 
-from nanoserve.model.loader import MODEL_NAMES_HELP
+from nanoserve.model.loader import MODEL_NAMES_HELP, resolve_model_dir
+from nanoserve.sampling.params import SamplingParams
 
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _sampling_params(args: argparse.Namespace):
-    from nanoserve.sampling.params import SamplingParams
+# What `generate` and `chat` sample with when neither the command line nor the model names a setting
+# (the model names its own in generation_config.json, or a GGUF file in its general.sampling.* keys;
+# SmolLM2's file and the bundled tiny model name none):
+# - generate: greedy, so that a completion comes out the same every time, as the lessons show them;
+# - chat: greedy too, with a repetition penalty of 1.1 (CTRL, the paper that introduced it, used 1.2).
+#   Measured on SmolLM2-135M (Q4_1; 2026-11-26), with answers of up to 200 tokens: greedy alone repeats
+#   itself to the limit on open questions ("I'm a language model that's designed to be empathetic and
+#   empathetic. I'm a ..."), and so does sampling at SmolLM2's model card's temperature 0.2 with top-p
+#   0.9 (5 answers of 15: "a kettle, and more kettle, a kettle, ..."); with the penalty neither did, in
+#   8 questions greedy and 15 answers sampled. But sampling, at 0.2 as at 0.7, starts many answers to
+#   "What is the capital of France?" with "L'Étoile" and goes on in French (5 of 16 at 0.2, with and
+#   without the penalty): "The" and "L" are nearly tied there, and greedy takes "The" every time.
+FALLBACK_SAMPLING = {
+    "generate": {"temperature": 0.0},
+    "chat": {"temperature": 0.0, "repetition_penalty": 1.1},
+}
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_tokens=args.max_tokens, seed=args.seed)
+
+def sampling_params(args: argparse.Namespace, model_dir: os.PathLike) -> tuple[SamplingParams, str]:
+    """The SamplingParams of `generate` and `chat`, and where they came from (in words). Each setting
+    comes from the first that names it: the command line, the model's own generation config, the
+    command's fallback above. When the model names any setting, the ones it leaves out are neutral
+    (temperature 1, no top-k/top-p, no penalty), as in HuggingFace and vLLM: its authors
+    chose that combination."""
+    from nanoserve.model.loader import generation_defaults
+
+    model = generation_defaults(model_dir)
+    base = model or FALLBACK_SAMPLING[args.command]
+    neutral = SamplingParams()
+    chosen = {name: getattr(args, name) if getattr(args, name) is not None else base.get(name, getattr(neutral, name))
+              for name in SAMPLING_OPTIONS}
+    source = ("the model's generation_config.json" if model else
+              f"nanoserve {args.command}'s defaults: the model names no sampling settings")
+    if any(getattr(args, name) is not None for name in SAMPLING_OPTIONS):
+        source = f"the command line, then {source}"
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **chosen)
+    except ValueError as e:  # a bad value in the model's file: say where it came from
+        raise ValueError(f"{e} (from {source})") from None
+    return params, source
+
+
+def describe_sampling(params: SamplingParams) -> str:
+    """'greedy', or the settings that shape the draw: 'temperature 0.7, top-p 0.9, repetition penalty 1.1'."""
+    if params.greedy and params.repetition_penalty == 1.0:
+        return "greedy"
+    parts = ["greedy" if params.greedy else f"temperature {params.temperature:g}"]
+    if not params.greedy and params.top_p < 1.0:
+        parts.append(f"top-p {params.top_p:g}")
+    if not params.greedy and params.top_k:
+        parts.append(f"top-k {params.top_k}")
+    if params.repetition_penalty != 1.0:
+        parts.append(f"repetition penalty {params.repetition_penalty:g}")
+    return ", ".join(parts)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve.engine.config import DTYPES, EngineConfig
     from nanoserve.engine.engine import Engine
 
-    params = _sampling_params(args)
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
         return _generate_no_cache(args, args.device or _default_device(), DTYPES[args.dtype or "float32"])
     engine = Engine(EngineConfig.from_args(args))
+    params, _ = sampling_params(args, resolve_model_dir(args.model))
     engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     start, n = time.perf_counter(), 0
@@ -41,7 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     engine.close()
     print()
-    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, KV cache on]", file=sys.stderr)
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, KV cache on, {describe_sampling(params)}]",
+          file=sys.stderr)
     return 0
 
 
@@ -68,7 +120,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from nanoserve.server.chat import ChatSession, run_chat
 
     engine = Engine(EngineConfig.from_args(args))
-    return run_chat(ChatSession(engine, _sampling_params(args), system=args.system), args.message)
+    params, source = sampling_params(args, resolve_model_dir(args.model))
+    # One line on stderr (stdout is the conversation): which sampling, why, and how to change it.
+    print(f"nanoserve chat: sampling: {describe_sampling(params)} ({source}; --temperature, --top-p, "
+          "--top-k and --repetition-penalty change it)", file=sys.stderr)
+    return run_chat(ChatSession(engine, params, system=args.system), args.message)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -95,10 +151,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.engine.async_engine import AsyncEngine
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.engine import Engine
-    from nanoserve.server.app import create_app, guard_options
+    from nanoserve.server.app import check_port_free, create_app, guard_options
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     _configure_logging(args.log_level)
+    # Before the model loads: a port in use is a one-line error now, not a traceback minutes later.
+    check_port_free(args.host, args.port)
+    for replica in range(args.data_parallel_size if args.data_parallel_size > 1 else 0):  # on their own ports
+        check_port_free("127.0.0.1", args.port + 1 + replica)
     if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/server/data_parallel.py)
         from nanoserve.server.data_parallel import serve_data_parallel
 
@@ -140,7 +200,6 @@ def _configure_logging(level: str) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     from nanoserve.bench.compare import compare_with_hf, first_divergence, format_report
     from nanoserve.engine.tokenizer import Tokenizer
-    from nanoserve.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     ids = Tokenizer(model_dir).encode(args.prompt)
@@ -152,14 +211,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     """`nanoserve serve`'s own options (the engine's come from `EngineConfig.add_arguments`)."""
+    from nanoserve.server.app import port_number
+
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port_number, default=8000, help="the port to listen on (default: %(default)s)")
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="run this many engine replicas (each with --tensor-parallel-size GPUs) on ports "
                           "--port+1.. behind a front on --port that routes each request to the replica with the "
-                          "fewest outstanding tokens (week 18)")
+                          "fewest outstanding tokens (week 18; default: %(default)s, no front)")
     srv.add_argument("--replica-start-timeout", type=float, default=600.0,
-                     help="--data-parallel-size: seconds to wait for the replicas to be healthy")
+                     help="--data-parallel-size: seconds to wait for the replicas to be healthy (default: %(default)g)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every path but /health and /metrics (the docs "
                           "pages /docs, /redoc and /openapi.json included, unless --public-docs)")
@@ -173,13 +234,13 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="web origins (https://app.example:8443) whose pages may call the server: CORS "
                           "(comma-separated or repeated; '*' for any). Default: none")
     srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
-    srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429 (default: %(default)s)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                     help="the largest request body, in bytes, before a 413 (default: %(default)s, 1 MiB)")
     srv.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body; "
-                          "default: 30)")
+                     help="seconds for a request body to arrive before a 408 (a client that stalls mid-body; default: %(default)g)")
     srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                     help="seconds an idle keep-alive connection stays open between requests (default: 5)")
+                     help="seconds an idle keep-alive connection stays open between requests (default: %(default)g)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="for uvicorn's and nanoserve's own loggers (default: info)")
     srv.add_argument("--log-requests", action="store_true",
@@ -191,36 +252,48 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nanoserve import __version__
+
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from nanoserve.engine.config import EngineConfig
 
-    def add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
-        p.add_argument("--max-tokens", type=int, default=max_tokens)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=None)
+    def add_sampling(p: argparse.ArgumentParser, max_tokens: int, command: str) -> None:
+        fallback = describe_sampling(SamplingParams(**FALLBACK_SAMPLING[command]))
+        g = p.add_argument_group("sampling", "Unset, --temperature, --top-p, --top-k and --repetition-penalty are "
+                                 "the model's own (its generation_config.json, or a GGUF file's general.sampling.* "
+                                 f"keys); when the model names none: {fallback}.")
+        g.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most (default: %(default)s)")
+        g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: see above)")
+        g.add_argument("--top-p", type=float, default=None,
+                       help="keep the most likely tokens whose probabilities add up to this (default: see above)")
+        g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = all (default: see above)")
+        g.add_argument("--repetition-penalty", type=float, default=None,
+                       help="> 1 makes the tokens of the prompt and the answer so far less likely (default: see above)")
+        g.add_argument("--seed", type=int, default=None, help="make the draws repeatable (default: none, fresh draws)")
 
     chat = sub.add_parser("chat", help="talk to a chat model in the terminal (default: smollm2)")
     chat.add_argument("message", nargs="?", default=None, help="answer this one message and exit")
-    add_sampling(chat, max_tokens=512)
+    add_sampling(chat, max_tokens=512, command="chat")
     chat.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
     EngineConfig.add_arguments(chat, default_model="smollm2")
     chat.set_defaults(func=cmd_chat)
 
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
-    add_sampling(gen, max_tokens=48)
+    add_sampling(gen, max_tokens=48, command="generate")
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
     EngineConfig.add_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     cmp = sub.add_parser("compare", help="per-layer differences between nanoserve and HuggingFace")
-    cmp.add_argument("--model", default="tiny", help=MODEL_NAMES_HELP)
+    cmp.add_argument("--model", default="tiny", help=f"{MODEL_NAMES_HELP} (default: %(default)s)")
     cmp.add_argument("prompt")
-    cmp.add_argument("--rtol", type=float, default=1e-4)
+    cmp.add_argument("--rtol", type=float, default=1e-4,
+                     help="a stage differs when its largest difference passes rtol x its scale (at least 1) "
+                          "(default: %(default)g)")
     cmp.set_defaults(func=cmd_compare)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")

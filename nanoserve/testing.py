@@ -119,11 +119,13 @@ def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
-               with_tokenizer: bool = True, extra_tensors: dict | None = None) -> Path:
+               with_tokenizer: bool = True, extra_tensors: dict | None = None,
+               sampling: dict[str, float] | None = None) -> Path:
     """Write a HF `LlamaForCausalLM` as a GGUF file, the way llama.cpp's converter does: its
     tensor names, Q/K rows permuted for its RoPE, 2-D weights in `qtype` (norms stay F32), the
     config and the bundled tiny tokenizer in the metadata. Quantized with `gguf.quants` (the
-    ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested."""
+    ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested.
+    `sampling`: llama.cpp's recommended-sampling keys, by their last part ({"temp": 0.7, "top_k": 40})."""
 
     import gguf
     import numpy as np
@@ -154,6 +156,9 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
         writer.add_eos_token_id(1)
         template = json.loads((TINY_MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
         writer.add_chat_template(template)
+    for key, value in (sampling or {}).items():  # general.sampling.temp, ... (what GGUFWriter.add_sampling_* write)
+        add = writer.add_int32 if isinstance(value, int) else writer.add_float32
+        add(f"general.sampling.{key}", value)
     kind = gguf.GGMLQuantizationType[qtype]
     tensors = dict(model.state_dict())
     if cfg.tie_word_embeddings:

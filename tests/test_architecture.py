@@ -114,7 +114,9 @@ def test_no_module_imports_another_modules_private_names():
     for rel, tree in modules(PACKAGE).items():
         for line, module, names in imports(tree):
             if module.startswith("nanoserve"):
-                bad += [f"nanoserve/{rel}:{line} imports {module}.{n}" for n in names if n.startswith("_")]
+                # (a dunder such as `__version__` is a module's public face, not a private name)
+                bad += [f"nanoserve/{rel}:{line} imports {module}.{n}" for n in names
+                        if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))]
     assert bad == []
 
 

@@ -197,16 +197,19 @@ def add_arguments(p) -> None:
     from nanoserve.bench.common import int_pair
 
     g = p.add_argument_group("prefix (week 14)")
-    g.add_argument("--num-systems", type=int, default=8, help="prefix: distinct system prompts")
-    g.add_argument("--per-system", type=int, default=32, help="prefix: questions per system prompt")
-    g.add_argument("--system-len", type=int_pair, default=(1000, 2000), help="prefix: system prompt lengths LOW,HIGH")
+    g.add_argument("--num-systems", type=int, default=8, help="prefix: distinct system prompts (default: %(default)s)")
+    g.add_argument("--per-system", type=int, default=32, help="prefix: questions per system prompt (default: %(default)s)")
+    g.add_argument("--system-len", type=int_pair, default=(1000, 2000),
+                   help="prefix: system prompt lengths LOW,HIGH (default: 1000,2000)")
     g.add_argument("--question-len", type=int_pair, default=(20, 200),
-                   help="prefix: question (and later chat message) lengths LOW,HIGH")
-    g.add_argument("--prefix-output-len", type=int_pair, default=(64, 256), help="prefix: output lengths LOW,HIGH")
-    g.add_argument("--conversations", type=int, default=32, help="prefix: multi-turn conversations")
-    g.add_argument("--turns", type=int, default=5, help="prefix: turns per conversation")
-    g.add_argument("--first-len", type=int_pair, default=(200, 800), help="prefix: first message lengths LOW,HIGH")
-    g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix: which workloads, comma-separated")
+                   help="prefix: question (and later chat message) lengths LOW,HIGH (default: 20,200)")
+    g.add_argument("--prefix-output-len", type=int_pair, default=(64, 256),
+                   help="prefix: output lengths LOW,HIGH (default: 64,256)")
+    g.add_argument("--conversations", type=int, default=32, help="prefix: multi-turn conversations (default: %(default)s)")
+    g.add_argument("--turns", type=int, default=5, help="prefix: turns per conversation (default: %(default)s)")
+    g.add_argument("--first-len", type=int_pair, default=(200, 800),
+                   help="prefix: first message lengths LOW,HIGH (default: 200,800)")
+    g.add_argument("--workloads", default=",".join(WORKLOADS), help="prefix: which workloads, comma-separated (default: %(default)s)")
     g.add_argument("--caching-first", action="store_true",
                    help="prefix: alternate on, off, on, off, ... (default: off first)")
     g.add_argument("--caching", choices=["both", "on", "off"], default="both",

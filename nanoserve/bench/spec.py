@@ -355,8 +355,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-sweep", default=None, help="spec: output tok/s with speculation off and on for these "
                    "numbers of requests decoding together (e.g. 1,2,4,8,16,32)")
     p.add_argument("--spec-runs", type=int, default=3, help="spec: runs per prompt in each process (the first warms "
-                   "up; the others' median is that process's figure)")
-    p.add_argument("--spec-prompts", type=int, default=4, help="spec: prompts per workload")
+                   "up; the others' median is that process's figure; default: %(default)s)")
+    p.add_argument("--spec-prompts", type=int, default=4, help="spec: prompts per workload (default: %(default)s)")
 
 
 QUICK = dict(spec_runs=2, spec_prompts=1)

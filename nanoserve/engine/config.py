@@ -75,14 +75,15 @@ class EngineConfig:
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                        help="default: triton on CUDA, torch on the CPU")
-        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-memory)")
         p.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV pool (default: what --gpu-memory-utilization leaves after a "
                             "measured step; 0.25 on the CPU)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="share of the GPU's memory for weights, activations, graphs and the KV pool")
-        p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+                       help="share of the GPU's memory for weights, activations, graphs and the KV pool "
+                            "(default: %(default)s)")
+        p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default: %(default)s)")
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens per engine step (default: 2048 with chunked prefill, 8192 without)")
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -102,23 +103,24 @@ class EngineConfig:
         p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
                        help="speculative decoding (week 17): guesses from prompt lookup or a draft model, "
                             "verified in one target pass (default: off)")
-        p.add_argument("--num-speculative-tokens", type=int, default=4, help="guesses per decode step (default: 4)")
+        p.add_argument("--num-speculative-tokens", type=int, default=4, help="guesses per decode step (default: %(default)s)")
         p.add_argument("--draft-model", default=None, help="--speculative draft: the draft model (same tokenizer)")
         p.add_argument("--speculative-max-batch", type=int, default=2,
-                       help="no speculation in steps with more decodes than this (default: 2)")
+                       help="no speculation in steps with more decodes than this (default: %(default)s)")
         p.add_argument("--ngram-min", type=int, default=2,
-                       help="--speculative ngram: the shortest suffix worth looking up, in tokens (default: 2)")
+                       help="--speculative ngram: the shortest suffix worth looking up, in tokens (default: %(default)s)")
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
                        help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over this many GPUs (or CPU processes), one process each (week 18)")
+                       help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
+                            "default: %(default)s)")
         p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
                        help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
-                            "hosts of a Ray cluster (ray; needs `pip install ray`)")
+                            "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
         p.add_argument("--distributed-timeout", type=float, default=300.0,
-                       help="seconds a rank waits for the others before the engine fails (default: 300)")
+                       help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with tensor parallelism or speculation)")

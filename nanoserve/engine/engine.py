@@ -31,7 +31,7 @@ from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
-from nanoserve.model.loader import resolve_model_dir
+from nanoserve.model.loader import check_model_dir, resolve_model_dir
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -69,6 +69,7 @@ class Engine:
         c = config or EngineConfig()
         self.config = c = dataclasses.replace(c, device=c.device or default_device())
         model_dir = resolve_model_dir(c.model)
+        check_model_dir(model_dir)  # what a folder lacks, named before any library trips over it
         self.model_name = str(c.model)
         self.tokenizer = Tokenizer(model_dir)
         # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks

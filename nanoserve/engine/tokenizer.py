@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 
-from nanoserve.model.loader import resolve_model_dir
+from nanoserve.model.loader import check_model_dir, resolve_model_dir
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for bytes that are not (yet) a character
 
@@ -20,7 +20,9 @@ class Tokenizer:
     def __init__(self, model: str | os.PathLike):
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+        model_dir = resolve_model_dir(model)
+        check_model_dir(model_dir, needs=("tokenizer",))  # else transformers blames a missing package
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
         # Decoding runs twice per token per running sequence (IncrementalDetokenizer): a server
         # with 256 streams calls it 512 times a step. The HF wrapper's decode is the Rust
         # tokenizer's decode plus Python around it (about 2.6 µs a call against 0.9 on a 2-core

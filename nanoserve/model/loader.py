@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanoserve.model.config import CheckpointError, ModelConfig
+from nanoserve.model.config import CheckpointError, ConfigError, ModelConfig
 from nanoserve.model.gguf import gguf_checkpoint_dir, smollm2_path
 from nanoserve.model.llama import Llama
 from nanoserve.model.tiny import tiny_model_dir
@@ -48,7 +48,10 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise FileNotFoundError(f"{path} is a file; pass the checkpoint *directory* that holds config.json, or a .gguf file")
+        if _is_gguf(path):  # a GGUF file by another name (Ollama stores them as sha256-... blobs)
+            return gguf_checkpoint_dir(path)
+        raise FileNotFoundError(f"{path} is a file, but not a GGUF file (it does not start with the bytes 'GGUF'); "
+                                f"--model takes {MODEL_DIR_NEEDS}, or a .gguf file")
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise FileNotFoundError(
             f"no checkpoint directory at {text!r}, and it is not a hub id of the form 'org/name'"
@@ -72,6 +75,58 @@ def _download(repo_id: str) -> Path:
             "If the repo is gated (meta-llama/* is), accept its licence on its hub page, then "
             "run `hf auth login` with a token. Or download it once and pass the local directory."
         ) from None
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ---------------------------------------------------------------------------- what a model folder holds
+
+MODEL_DIR_NEEDS = ("a model folder: config.json, the weights (model.safetensors, or the shards listed in "
+                   "model.safetensors.index.json) and the tokenizer (tokenizer.json)")
+# A tokenizer transformers can load without extra packages: the fast tokenizer's one file, or the
+# files of a slow one it converts (sentencepiece's model, GPT-2's vocabulary and merges).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(model_dir: Path, needs: tuple[str, ...] = ("config", "weights", "tokenizer")) -> None:
+    """Refuse a folder that lacks what the caller `needs`, naming everything it lacks and what a model
+    folder holds. Without this check the first library to look for a missing file speaks, in its own
+    terms: an empty folder used to blame a missing "sentencepiece or tiktoken" package."""
+    found = {
+        "config": (model_dir / "config.json").is_file(),
+        "weights": any((model_dir / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")),
+        "tokenizer": any((model_dir / f).is_file() for f in TOKENIZER_FILES),
+    }
+    if all(found[need] for need in needs):
+        return
+    names = {"config": "config.json", "weights": "weights (model.safetensors)", "tokenizer": "tokenizer files"}
+    missing = ", no ".join(names[part] for part, ok in found.items() if not ok)
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    hint = f" It holds {ggufs[0].name}: pass that file as --model." if ggufs else ""
+    raise FileNotFoundError(f"{model_dir} is not a model folder: no {missing}.{hint} --model takes "
+                            f"{MODEL_DIR_NEEDS}; or a .gguf file")
+
+
+# The sampling settings a checkpoint may name in its generation_config.json, under HuggingFace's names
+# (SamplingParams' too). vLLM makes them the defaults of requests that set none, and ignores `do_sample`;
+# `nanoserve generate` and `chat` do the same, so that a folder samples alike in both.
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling settings the model's own generation_config.json names ({} when it names none)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return {key: raw[key] for key in GENERATION_KEYS
+            if isinstance(raw.get(key), (int, float)) and not isinstance(raw.get(key), bool)}
 
 
 # ---------------------------------------------------------------------------- reading tensors

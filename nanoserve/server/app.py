@@ -26,11 +26,14 @@ names (no DNS rebinding), and no page of another origin may read an answer unles
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import errno
 import hmac
 import ipaddress
 import logging
 import re
+import socket
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
@@ -105,6 +108,35 @@ def guard_options(args) -> dict:
     return dict(api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                 allowed_hosts=allowed_hosts_for(args.host, split_names(args.allowed_hosts)),
                 allowed_origins=split_names(args.allowed_origins), public_docs=args.public_docs)
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: a TCP port a server can listen on, refused in one line otherwise (port 0,
+    which asks the system for any free port, included: the server would announce a port it is not on)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port a server can listen on: 1 to 65535")
+    return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, at once: before the model loads (seconds to minutes)
+    and before "serving on ..." is printed. It binds the socket the way uvicorn will (the address family
+    from the host, SO_REUSEADDR) and lets it go; a process that takes the port in between still makes
+    uvicorn fail, with its own message."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OverflowError:  # --port 65535 with --data-parallel-size: the replicas' ports run past the last
+        raise ValueError(f"port {port} is past the last port, 65535: choose a lower --port") from None
+    except OSError as e:
+        what = "already in use" if e.errno == errno.EADDRINUSE else f"not available ({e.strerror})"
+        raise ValueError(f"port {port} on {host} is {what}: stop what listens there, or choose another --port") from None
 
 
 class CORS(CORSMiddleware):
