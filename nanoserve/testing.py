@@ -381,3 +381,23 @@ def max_bytes(schema: dict) -> int:
 def schema_format(schema: dict, name: str) -> dict:
     """The `response_format` of a request asking for `schema`."""
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def dead_url() -> str:
+    """A loopback URL on which nothing listens (a port bound, then closed): a replica that is down."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def command_parsers(parser, name: str = "nanoserve"):
+    """(command name, parser) of an argparse parser and of all its subcommands."""
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:  # argparse keeps its actions in a private list; no public way
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from command_parsers(sub, f"{name} {sub_name}")

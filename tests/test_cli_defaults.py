@@ -21,7 +21,7 @@ import pytest
 from nanoserve.cli import FALLBACK_SAMPLING, build_parser, describe_sampling, main, sampling_params
 from nanoserve.model.loader import generation_defaults, resolve_model_dir
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.testing import make_checkpoint, make_hf_model, tiny_config, write_gguf
+from nanoserve.testing import command_parsers, make_checkpoint, make_hf_model, tiny_config, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SAMPLING = {"temperature": 0.6, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.2}
@@ -184,16 +184,7 @@ def test_version(capsys):
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    return dict(_parsers(parser))[f"nanoserve {name}"]
-
-
-def _parsers(parser: argparse.ArgumentParser, name: str = "nanoserve"):
-    """(command name, parser) of a parser and of all its subcommands."""
-    yield name, parser
-    for action in parser._actions:  # argparse keeps its actions in a private list; no public way
-        if isinstance(action, argparse._SubParsersAction):
-            for sub_name, sub in action.choices.items():
-                yield from _parsers(sub, f"{name} {sub_name}")
+    return dict(command_parsers(parser))[f"nanoserve {name}"]
 
 
 FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
@@ -204,7 +195,7 @@ def options_without_their_default(parser: argparse.ArgumentParser) -> list[str]:
     """The options of every (sub)command that have a default but whose help does not state it: a
     flag (--quick, --no-metrics) has no value to state, and None means "not set", said where it matters."""
     missing = []
-    for name, sub in _parsers(parser):
+    for name, sub in command_parsers(parser):
         for action in sub._actions:
             if not action.option_strings or isinstance(action, FLAGS) or action.default in (None, argparse.SUPPRESS):
                 continue

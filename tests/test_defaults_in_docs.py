@@ -34,7 +34,6 @@ stops finding them fails; `test_a_wrong_default_is_caught` plants wrong ones in 
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import os
@@ -43,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from nanoserve.testing import command_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,21 +102,12 @@ class Option:
         return self.default != OFF_VALUE[self.key]
 
 
-def _parsers(parser: argparse.ArgumentParser, name: str = "nanoserve"):
-    """(command name, parser) of a parser and of all its subcommands."""
-    yield name, parser
-    for action in parser._actions:  # argparse keeps its actions in a private list; no public way
-        if isinstance(action, argparse._SubParsersAction):
-            for sub_name, sub in action.choices.items():
-                yield from _parsers(sub, f"{name} {sub_name}")
-
-
 def cli_options() -> dict[str, tuple[set, list[str]]]:
     """dest -> (the defaults it has in the subcommands that take it, its long flags)."""
     from nanoserve.cli import build_parser
 
     found: dict[str, tuple[set, list[str]]] = {}
-    for _, parser in _parsers(build_parser()):
+    for _, parser in command_parsers(build_parser()):
         for action in parser._actions:
             flags = [s for s in action.option_strings if s.startswith("--")]
             if not flags or action.dest == "help":

@@ -20,7 +20,7 @@ from nanoserve.server.data_parallel import (
     replica_argv,
     wait_healthy,
 )
-from nanoserve.testing import ServerThread
+from nanoserve.testing import ServerThread, dead_url
 
 
 @pytest.mark.exercise("route")
@@ -73,17 +73,11 @@ def replicas():
         yield [a, b]
 
 
-def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
-
-
 @pytest.fixture
 def front(replicas):
     import uvicorn
 
-    app = create_front([r.url for r in replicas] + [_dead_url()])
+    app = create_front([r.url for r in replicas] + [dead_url()])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -13,14 +13,9 @@ import pytest
 
 from nanoserve.server import data_parallel
 from nanoserve.server.data_parallel import create_front
+from nanoserve.testing import dead_url
 
 BODY = {"model": "tiny", "prompt": "The list", "max_tokens": 2}
-
-
-def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
 
 
 @contextlib.contextmanager
