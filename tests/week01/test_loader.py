@@ -153,7 +153,7 @@ def test_bad_model_names(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
         resolve_model_dir(str(tmp_path / "does-not-exist"))
     (tmp_path / "file.txt").write_text("x")
-    with pytest.raises(FileNotFoundError, match="directory"):
+    with pytest.raises(FileNotFoundError, match="not a GGUF file.*takes a model folder"):
         resolve_model_dir(tmp_path / "file.txt")
 
 
