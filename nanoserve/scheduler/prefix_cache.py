@@ -145,7 +145,9 @@ class PrefixCachingAllocator(BlockAllocator):
                     evictions=self.num_evictions, cached_blocks=len(self.block_of_hash))
 
     def check_invariants(self, block_tables: list[list[int]]) -> None:
-        """Every block in exactly one state; reference counts equal the tables that hold each block."""
+        """Every block in exactly one state; reference counts equal the tables that hold each block;
+        the two maps each other's inverse. An AssertionError names the first block that breaks one."""
+        # >>> week14: invariants
         held = [0] * self.num_blocks
         for table in block_tables:
             for block in table:
@@ -156,6 +158,10 @@ class PrefixCachingAllocator(BlockAllocator):
             states = (block in free) + (block in evictable) + (self.ref_count[block] > 0)
             assert states == 1, f"block {block} is in {states} states (free, evictable, held)"
             assert held[block] == self.ref_count[block], f"block {block}: {held[block]} tables, count {self.ref_count[block]}"
-            assert (block in self.used) == (self.ref_count[block] > 0)
+            assert (block in self.used) == (self.ref_count[block] > 0), f"block {block}: used and count disagree"
             assert block not in evictable or block in self.hash_of_block, f"evictable block {block} has no name"
-        assert all(self.block_of_hash[h] == b for b, h in self.hash_of_block.items())
+            assert block not in free or block not in self.hash_of_block, f"free block {block} still has a name"
+        assert len(self.block_of_hash) == len(self.hash_of_block), "the two maps differ in size"
+        for block, h in self.hash_of_block.items():
+            assert self.block_of_hash.get(h) == block, f"block {block}'s name points elsewhere"
+        # <<< week14: invariants

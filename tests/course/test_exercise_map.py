@@ -134,3 +134,40 @@ def test_each_exercises_tests_fail_on_its_stub_alone(ex, solved_workspace):
     # fails the module's collection: pytest then exits with 4, "found no collectors".)
     failed = [node for node, outcome in run.outcomes.items() if outcome != "PASSED"]
     assert run.returncode != 0 and failed, f"the tests of {ex.key} pass with it stubbed: {nodes}\n{run.output[-2000:]}"
+
+
+# -- exercises with substance: every bonus week has whole pieces to design, not only one-liners ---
+
+FIRST_BONUS_WEEK = 13
+LARGE = 15  # reference lines (code, not blank lines or comments) that make an exercise a whole piece
+LARGE_PER_WEEK = 2
+
+
+def reference_lines(ex: course.Exercise) -> int:
+    body = ex.body((course.PACKAGE_DIR / ex.path).read_text(encoding="utf-8").splitlines())
+    return sum(1 for line in body if line.strip() and not line.strip().startswith("#"))
+
+
+def thin_weeks(sizes: dict[str, int]) -> dict[int, list[str]]:
+    """Bonus weeks with fewer than LARGE_PER_WEEK exercises of LARGE lines, each with its sizes.
+    `sizes` maps an exercise key ('week14:match-prefix') to its reference lines."""
+    weeks: dict[int, list[tuple[str, int]]] = {}
+    for key, n in sizes.items():
+        weeks.setdefault(int(key[4:6]), []).append((key, n))
+    return {week: [f"{k} {n}" for k, n in found] for week, found in weeks.items()
+            if week >= FIRST_BONUS_WEEK and sum(n >= LARGE for _, n in found) < LARGE_PER_WEEK}
+
+
+def test_every_bonus_week_has_two_whole_pieces_to_design():
+    thin = thin_weeks({ex.key: reference_lines(ex) for ex in EXERCISES})
+    assert not thin, f"weeks with fewer than {LARGE_PER_WEEK} exercises of {LARGE}+ lines: {thin}"
+
+
+def test_a_planted_thin_week_is_caught():
+    sizes = {ex.key: reference_lines(ex) for ex in EXERCISES}
+    week14 = sorted((k for k in sizes if k.startswith("week14:")), key=sizes.get)
+    sizes[week14[-1]] = 3  # the largest of week 14 cut to a one-liner: one whole piece left
+    assert list(thin_weeks(sizes)) == [14]
+    sizes.update({"week99:a": 40, "week99:b": 14})  # a new week with one whole piece
+    assert set(thin_weeks(sizes)) == {14, 99}
+    assert thin_weeks({"week03:tiny": 1}) == {}  # the first twelve weeks are exempt

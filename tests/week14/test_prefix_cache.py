@@ -43,6 +43,67 @@ def test_equal_prefixes_have_equal_chains_and_one_token_changes_every_later_name
 # ------------------------------------------------------------------------------ the allocator
 
 
+def consistent_pool():
+    """A pool of 6 in every state: block 0 held twice (named), 1 held once (named), 2 held once
+    (no name: a partial last block), 3 cached (named, evictable), 4 and 5 free."""
+    alloc = PrefixCachingAllocator(6)
+    blocks = [alloc.allocate() for _ in range(4)]
+    for block, name in zip((0, 1, 3), (b"A", b"B", b"D")):
+        alloc.register(block, name * 16)
+    alloc.free(3)
+    assert alloc.match([b"A" * 16]) == [0]
+    return alloc, [[0, 1, 2], [0]], blocks
+
+
+def plant(alloc, kind):
+    """Break one invariant of `consistent_pool`'s state, as a bug in the allocator would."""
+    if kind == "free twice":
+        alloc.free_blocks.append(4)
+    elif kind == "free and held":
+        alloc.ref_count[4] = 1
+        alloc.used.add(4)
+    elif kind == "count too low":
+        alloc.ref_count[0] = 1
+    elif kind == "count too high":
+        alloc.ref_count[1] = 2
+    elif kind == "held but not used":
+        alloc.used.remove(2)
+    elif kind == "used but cached":
+        alloc.used.add(3)
+    elif kind == "evictable without a name":
+        del alloc.block_of_hash[alloc.hash_of_block.pop(3)]
+    elif kind == "free with a name":
+        alloc.hash_of_block[5] = b"F" * 16
+        alloc.block_of_hash[b"F" * 16] = 5
+    elif kind == "name points elsewhere":
+        alloc.block_of_hash[b"A" * 16] = 1
+    elif kind == "two names, one block":
+        alloc.block_of_hash[b"Z" * 16] = 1
+    elif kind == "lost on no list":
+        alloc.free_blocks.remove(5)
+
+
+PLANTED = ["free twice", "free and held", "count too low", "count too high", "held but not used",
+           "used but cached", "evictable without a name", "free with a name", "name points elsewhere",
+           "two names, one block", "lost on no list"]
+
+
+@pytest.mark.exercise("invariants")
+def test_invariants_hold_in_every_state_and_catch_each_planted_bug():
+    alloc, tables, _ = consistent_pool()
+    alloc.check_invariants(tables)  # all three states at once: nothing to report
+    PrefixCachingAllocator(3).check_invariants([])  # a fresh pool
+    for kind in PLANTED:
+        alloc, tables, _ = consistent_pool()
+        plant(alloc, kind)
+        with pytest.raises(AssertionError):
+            alloc.check_invariants(tables)
+    alloc, tables, _ = consistent_pool()
+    with pytest.raises(AssertionError):  # a table the allocator does not know about
+        alloc.check_invariants(tables + [[1]])
+
+
+
 @pytest.mark.exercise("release", "evict", "match-prefix")
 def test_three_states_lru_eviction_and_double_free():
     alloc = PrefixCachingAllocator(4)
