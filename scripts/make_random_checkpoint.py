@@ -1,5 +1,6 @@
 """Write a random-weight checkpoint of the exact Llama-3.2-1B shape (or, with --shape 8b, of
-Llama-3.1-8B's: week 18), for benchmarks, with no download.
+Llama-3.1-8B's: week 18; with gemma3-270m or qwen3-0.6b, of those models': week 19), for
+benchmarks, with no download.
 
     python scripts/make_random_checkpoint.py --out /tmp/llama-3.2-1b-random [--dtype bfloat16] [--device cuda]
 
@@ -18,7 +19,28 @@ import torch
 from nanoserve.testing import LLAMA_3_1_8B, LLAMA_3_2_1B, save_checkpoint
 
 
-def write_word_tokenizer(out: str, vocab_size: int) -> None:
+GEMMA3_270M = dict(  # google/gemma-3-270m's config.json (the GGUF file's metadata agrees)
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=512,
+    query_pre_attn_scalar=256, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                     "full_attention": dict(rope_type="default", rope_theta=1000000.0)},
+)
+QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
+    bos_token_id=151643, eos_token_id=151645, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+SHAPES = {
+    "1b": ("LlamaForCausalLM", "LlamaConfig", LLAMA_3_2_1B),
+    "8b": ("LlamaForCausalLM", "LlamaConfig", LLAMA_3_1_8B),
+    "gemma3-270m": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3_270M),
+    "qwen3-0.6b": ("Qwen3ForCausalLM", "Qwen3Config", QWEN3_0_6B),
+}
+
+
+def write_word_tokenizer(out: str, vocab_size: int, bos: int = 128000, eos: int = 128001) -> None:
     import json
     from pathlib import Path
 
@@ -27,7 +49,7 @@ def write_word_tokenizer(out: str, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(Path(out) / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w128000", "eos_token": "w128001",
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": f"w{bos}", "eos_token": f"w{eos}",
               "model_max_length": 131072}
     (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
@@ -37,16 +59,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="1b", choices=["1b", "8b"], help="Llama-3.2-1B (default) or Llama-3.1-8B")
+    ap.add_argument("--shape", default="1b", choices=list(SHAPES),
+                    help="Llama-3.2-1B (default), Llama-3.1-8B, Gemma 3 270M or Qwen3-0.6B")
     args = ap.parse_args()
-    shape = LLAMA_3_2_1B if args.shape == "1b" else LLAMA_3_1_8B
-    from transformers import LlamaConfig, LlamaForCausalLM
+    architecture, config_class, shape = SHAPES[args.shape]
+    import transformers
 
     torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**shape)
+    config.architectures = [architecture]
     with torch.device(args.device):
-        model = LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, args.dtype))
+        model = getattr(transformers, architecture)(config).to(getattr(torch, args.dtype))
     save_checkpoint(model, args.out, with_tokenizer=False)
-    write_word_tokenizer(args.out, shape["vocab_size"])
+    write_word_tokenizer(args.out, shape["vocab_size"], shape["bos_token_id"], shape["eos_token_id"])
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()):,} parameters in {args.dtype}")
 
 

@@ -122,9 +122,10 @@ def save_plot(path: Path, draw) -> None:
 
 
 def hf_model(model_dir: Path, dtype: torch.dtype, device: str):
-    from transformers import LlamaForCausalLM
+    """HF's model for the checkpoint, whatever its family (the class its config names)."""
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 # --------------------------------------------------------------------------------- throughput

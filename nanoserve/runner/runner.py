@@ -51,7 +51,8 @@ class ModelRunner:
             self.context_class = TritonPagedContext
             use_fused_kernels(model, self.fused)
             if self.device.type == "cuda":  # compile the kernel's variants now, not mid-serving
-                warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len)
+                windows = {cfg.window(i) for i in range(cfg.num_layers)}  # week 19: sliding layers' variant too
+                warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len, windows=sorted(windows, key=str))
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
             from nanoserve.runner.cuda_graphs import CUDAGraphDecoder

@@ -180,3 +180,38 @@ def test_triton_kernel_with_windows_equals_hf(name, tmp_path):
     outs = [o.token_ids for o in llm.generate(ps, replace(GREEDY, max_tokens=6))]
     hf = hf.to(device)
     assert outs == [hf_greedy(hf, p, 6) for p in ps]
+
+
+@pytest.mark.gpu
+def test_each_family_on_the_gpu(family):
+    """The GPU path: Triton compiled (sliding windows included), fused kernels, CUDA graphs for the
+    decode steps and the mixed ones. Float32: HF's tokens. Bf16: the engine's greedy tokens against
+    HF's bf16 model's, to a tolerance (bf16 rounds differently in the two)."""
+    name, path, hf = family
+    ps = prompts()
+    common = dict(num_blocks=128, block_size=16, max_num_seqs=4, enable_chunked_prefill=True,
+                  max_num_batched_tokens=32, max_model_len=256)
+    f32 = LLM(str(path), dtype=torch.float32, device="cuda", **common)
+    assert f32.engine.attention_backend == "triton" and f32.engine.runner.graphs is not None
+    hf32 = hf.to("cuda")
+    expected = [hf_greedy_on(hf32, p) for p in ps]
+    assert [o.token_ids for o in f32.generate(ps, GREEDY)] == expected
+    del f32
+    bf16 = LLM(str(path), dtype=torch.bfloat16, device="cuda", **common)
+    assert all(len(o.token_ids) == 10 for o in bf16.generate(ps, GREEDY))  # the bf16 graphs run
+    model = bf16.engine.model
+    with torch.no_grad():
+        for ids in ps:  # bf16 logits of every position against HF's float32 ones
+            logits = model.compute_logits(model(torch.tensor(ids, device="cuda"), torch.arange(len(ids), device="cuda"),
+                                                PrefillContext([len(ids)]))).float()
+            ref = hf32(torch.tensor([ids], device="cuda")).logits[0].float()
+            assert (logits.softmax(-1) - ref.softmax(-1)).abs().sum(-1).max() < 0.15  # total variation
+            assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    hf.to("cpu")
+
+
+def hf_greedy_on(hf, prompt, n=10):
+    device = next(hf.parameters()).device
+    out = hf.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                      device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
