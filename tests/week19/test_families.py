@@ -200,13 +200,15 @@ def test_each_family_on_the_gpu(family):
     bf16 = LLM(str(path), dtype=torch.bfloat16, device="cuda", **common)
     assert all(len(o.token_ids) == 10 for o in bf16.generate(ps, GREEDY))  # the bf16 graphs run
     model = bf16.engine.model
+    agree, rows = 0, 0
     with torch.no_grad():
         for ids in ps:  # bf16 logits of every position against HF's float32 ones
             logits = model.compute_logits(model(torch.tensor(ids, device="cuda"), torch.arange(len(ids), device="cuda"),
                                                 PrefillContext([len(ids)]))).float()
             ref = hf32(torch.tensor([ids], device="cuda")).logits[0].float()
             assert (logits.softmax(-1) - ref.softmax(-1)).abs().sum(-1).max() < 0.15  # total variation
-            assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+            agree, rows = agree + (logits.argmax(-1) == ref.argmax(-1)).sum().item(), rows + len(ids)
+    assert agree / rows >= 0.9  # random tiny models have near-ties that bf16 flips; a wrong layer agrees ~never
     hf.to("cpu")
 
 
