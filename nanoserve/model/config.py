@@ -208,17 +208,25 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
+def _refuse_what_llama_lacks(raw: dict[str, Any]) -> None:
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ConfigError("attention_bias / mlp_bias are not supported (Llama has no biases)")
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError(f"hidden_act '{hidden_act}' is not supported (Llama uses 'silu')")
+
+
 def _family_options(config: ModelConfig, architecture: str, raw: dict[str, Any]) -> ModelConfig:
     """What the family of `architecture` changes in a Llama, read from its config.json; anything a
     family has that nanoserve does not run is refused by name."""
+    if architecture == "LlamaForCausalLM":  # the defaults are Llama's: nothing to read
+        _refuse_what_llama_lacks(raw)
+        return config
+    # >>> week19: family-options
     options: dict[str, Any] = {"architecture": architecture}
-    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ConfigError("attention_bias / mlp_bias are not supported (Llama has no biases)")
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"hidden_act '{hidden_act}' is not supported (Llama uses 'silu')")
-        if architecture == "MistralForCausalLM" and raw.get("sliding_window"):
+    if architecture == "MistralForCausalLM":
+        _refuse_what_llama_lacks(raw)
+        if raw.get("sliding_window"):
             options["sliding_window"] = int(raw["sliding_window"])  # every layer slides
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         options["attention_bias"] = architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias"))
@@ -233,6 +241,8 @@ def _family_options(config: ModelConfig, architecture: str, raw: dict[str, Any])
         if raw.get("use_bidirectional_attention"):
             raise ConfigError("use_bidirectional_attention is not supported (a causal language model is)")
         local = (raw.get("rope_parameters") or {}).get(SLIDING, {})
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope type {local['rope_type']!r} of the sliding layers is not supported")
         options.update(
             qk_norm=True,
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
@@ -242,8 +252,7 @@ def _family_options(config: ModelConfig, architecture: str, raw: dict[str, Any])
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or config.head_dim),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope type {local['rope_type']!r} of the sliding layers is not supported")
-    if options.get("hidden_act", config.hidden_act) not in ("silu", "gelu_pytorch_tanh"):
+    if options.get("hidden_act", "silu") not in ("silu", "gelu_pytorch_tanh"):
         raise ConfigError(f"activation {options['hidden_act']!r} is not supported ('silu', 'gelu_pytorch_tanh')")
     return replace(config, **options)
+    # <<< week19: family-options

@@ -39,6 +39,8 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [T, hidden] each -> (x, residual) of the stream after this layer."""
+        # >>> week19: gemma-layer
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -46,6 +48,7 @@ class GemmaDecoderLayer(nn.Module):
         h = self.post_attention_layernorm(self.self_attn(h, cos, sin, ctx))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
+        # <<< week19: gemma-layer
 
 
 class Gemma3(Llama):

@@ -216,6 +216,8 @@ class FamilyAttention(Attention):
         self.window, self.scale = config.window(layer_idx), config.attention_scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], as week 2's `Attention.forward` with the families' additions."""
+        # >>> week19: family-attention
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # one row of head_dim values per head: [T * heads, D]
@@ -226,6 +228,7 @@ class FamilyAttention(Attention):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_idx, q, k, v, cos, sin, window=self.window, scale=self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
+        # <<< week19: family-attention
 
 
 def attention_for(config: ModelConfig, layer_idx: int) -> Attention:

@@ -250,6 +250,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
         high 2 bits: v = 32 k + l (k = 0..3, l = 0..31): bits 2k and 2k+1 of qh byte l
     and sub-block i is values 16 i .. 16 i + 15 of the 256.
     """
+    # >>> week19: dequantize-q6-k
     ql = blocks[:, 0:128].reshape(-1, 2, 64)  # [n, half, byte]
     qh = blocks[:, 128:192].reshape(-1, 2, 32)  # [n, half, byte]
     sc = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
@@ -260,6 +261,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     q = (low | (high << 4)).float().reshape(-1, 16, 16)  # [n, sub-block, position], 0..63
     scale = (d * sc).unsqueeze(2)  # [n, 16, 1]
     return (scale * (q - 32)).reshape(-1, QK_K)
+    # <<< week19: dequantize-q6-k
 
 
 # type name -> the function from its blocks, uint8 [n, bytes], to float32 [n, values]

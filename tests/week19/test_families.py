@@ -51,6 +51,7 @@ def hf_greedy(hf, prompt, n=10):
 # ----------------------------------------------------------------------------------- the config
 
 
+@pytest.mark.exercise("family-options")
 def test_each_family_reads_its_options(family):
     name, path, hf = family
     config = ModelConfig.from_json(path)
@@ -68,6 +69,7 @@ def test_each_family_reads_its_options(family):
         assert config.attention_scale == 24**-0.5
 
 
+@pytest.mark.exercise("family-options")
 def test_older_gemma3_configs_and_qwen_windows():
     """Configs written before transformers 5 name the kinds of layer by a pattern and the local RoPE
     base by its own key; Qwen's windows start at max_window_layers."""
@@ -83,6 +85,7 @@ def test_older_gemma3_configs_and_qwen_windows():
     assert [ModelConfig.from_dict(qwen).window(i) for i in range(7)] == [None] * 5 + [16, 16]
 
 
+@pytest.mark.exercise("family-options")
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["FalconForCausalLM"]), "MistralForCausalLM, Qwen2ForCausalLM"),
     (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
@@ -108,6 +111,7 @@ def test_every_supported_architecture_has_a_class_and_tp_refuses_the_others(fami
 # ----------------------------------------------------------------------------------- the model
 
 
+@pytest.mark.exercise("family-options", "family-attention", "gemma-layer")
 @torch.no_grad()
 def test_hidden_states_and_logits_match_hf(family):
     name, path, hf = family
@@ -153,6 +157,7 @@ def test_compare_tool_for_each_family(family):
 # ----------------------------------------------------------------------------------- the engine
 
 
+@pytest.mark.exercise("family-options", "family-attention", "gemma-layer")
 def test_engine_greedy_equals_hf(family):
     """The paged engine with continuous batching, prefix caching and chunked prefill (a budget of
     16 tokens cuts every prompt): HF's tokens, and the shared prefix found in the cache."""

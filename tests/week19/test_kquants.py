@@ -51,6 +51,7 @@ def assert_matches_gguf(raw, type_name, shape):
     assert torch.equal(ours(raw, type_name, shape), theirs(raw, type_name, shape))
 
 
+@pytest.mark.exercise("dequantize-q6-k")
 @pytest.mark.parametrize("type_name", NEW_TYPES)
 @pytest.mark.parametrize("shape,seed", [((768,), 1), ((4, 512), 2), ((3, 1280), 3), ((64, 256), 4)])
 def test_random_tensors_match_gguf(type_name, shape, seed):
@@ -149,6 +150,7 @@ def test_a_q5_k_super_block_reads_bit_i_of_qh_for_sub_block_i():
     assert torch.equal(values, expected)
 
 
+@pytest.mark.exercise("dequantize-q6-k")
 def test_a_q6_k_super_block_puts_every_value_where_the_spec_says():
     """Build the bytes value by value from the docstring's rules, read them back as the codes."""
     codes = np.random.default_rng(9).integers(0, 64, size=256)
