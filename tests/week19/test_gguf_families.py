@@ -378,9 +378,11 @@ def gemma():
     from nanoserve.model.quant import FORMATS
 
     path = gguf_file.gemma3_270m_path()
-    missing = sorted({t.tensor_type.name for t in gguf_file.open_gguf(path).tensors} - set(FORMATS))
+    reader = gguf_file.open_gguf(path)
+    missing = sorted({t.tensor_type.name for t in reader.tensors} - set(FORMATS))
     if missing:
         pytest.skip(f"needs nanoserve's dequantizers for {', '.join(missing)} (the k-quants)")
+    assert "tokenizer.chat_template" not in reader.fields  # a base model: the file has no chat template
     return path, resolve_model_dir("gemma3-270m")
 
 
@@ -399,21 +401,25 @@ def test_gemma3_270m_config(gemma):
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
     assert {k: config[k] for k in expected} == expected
     assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == [5, 11, 17]
-    assert not gguf_file.read_metadata(gguf_file.open_gguf(path)).get("tokenizer.chat_template")
+    assert json.loads((directory / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
 
 
 def test_gemma3_270m_tokenizer_equals_transformers(gemma):
     from transformers import AutoTokenizer
 
+    from nanoserve.engine.tokenizer import Tokenizer
+
     path, directory = gemma
-    ours = AutoTokenizer.from_pretrained(str(directory))
+    ours = Tokenizer(directory)  # nanoserve's, over the converted directory's files
     theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in GEMMA_TEXTS:
-        assert ours(text).input_ids == theirs(text).input_ids, text
-    assert ours("<start_of_turn>user\nHi<end_of_turn>\n").input_ids == [2, 105, 2364, 107, 10979, 106, 107]
-    ids = ours.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert ours.decode(ids) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+        ids = theirs(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("<start_of_turn>user\nHi<end_of_turn>\n") == [2, 105, 2364, 107, 10979, 106, 107]
+    prompt = "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert ours.apply_chat_template([{"role": "user", "content": "Hi"}]) == theirs.encode(prompt, add_special_tokens=False)
+    assert (ours.bos_token_id, ours.eos_token_id) == (2, 1)
 
 
 @torch.no_grad()
