@@ -70,6 +70,51 @@ def make_hf_model(config: dict[str, Any], seed: int = 0, init_std: float | None 
     return model
 
 
+# Week 19: one tiny config per family, each with what makes the family differ switched on: a window
+# shorter than the test prompts, Gemma 3's mix of local and global layers and its own query scale.
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", dict(attention_bias=False)),
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=8, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                                          "full_attention": dict(rope_type="default", rope_theta=10000.0)})),
+}
+
+
+def make_family_model(family: str, seed: int = 0, init_std: float = 0.15, **overrides: Any):
+    """A HF model of one family (`FAMILY_CONFIGS`) in float32, seeded, with norms and biases jittered."""
+    import transformers
+
+    architecture, extra = FAMILY_CONFIGS[family]
+    cfg = dict(vocab_size=4096, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=1024,
+               tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+               initializer_range=init_std, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.update(extra)
+    cfg.update(overrides)
+    config_class = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    torch.manual_seed(seed)
+    hf_config = getattr(transformers, config_class)(**cfg)
+    hf_config.architectures = [architecture]
+    model = getattr(transformers, architecture)(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's norms hold w of (1 + w), the others w itself
+                p.uniform_(-0.2, 0.2) if family == "gemma3" else p.uniform_(0.8, 1.2)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+def make_family_checkpoint(path: str | Path, family: str, seed: int = 0, **overrides: Any):
+    """A tiny random checkpoint of one family saved to `path`: (path, the HF model)."""
+    model = make_family_model(family, seed=seed, **overrides)
+    return save_checkpoint(model, path), model
+
+
 def save_checkpoint(model, path: str | Path, max_shard_size: str | None = None,
                     with_tokenizer: bool = True) -> Path:
     """Write `model` as a HF checkpoint directory, with the tiny model's tokenizer files."""

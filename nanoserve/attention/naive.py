@@ -41,7 +41,7 @@ class NaiveCacheContext(PrefillContext):
                 raise ValueError(f"sequence of {start + n} tokens does not fit the cache's {cache.max_len}")
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor, window: int | None = None, scale: float | None = None) -> torch.Tensor:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # >>> week03: naive-cache-attend
         outs = []
@@ -52,7 +52,7 @@ class NaiveCacheContext(PrefillContext):
             self.cache.v[layer_idx, slot, start:end] = v[a:b]
             keys = self.cache.k[layer_idx, slot, :end]  # [end, Hkv, D]: the past and the new
             values = self.cache.v[layer_idx, slot, :end]
-            outs.append(causal_attention(q[a:b], keys, values, q_start=start))
+            outs.append(causal_attention(q[a:b], keys, values, q_start=start, window=window, scale=scale))
         return torch.cat(outs, dim=0)
         # <<< week03: naive-cache-attend
 

@@ -118,9 +118,9 @@ class PagedContext:
         self._host_lists: tuple[list[int], list[int]] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor, window: int | None = None, scale: float | None = None) -> torch.Tensor:
         q = self.write(layer_idx, q, k, v, cos, sin)
-        return self.read(layer_idx, q)
+        return self.read(layer_idx, q, window=window, scale=scale)
 
     def write(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
@@ -132,24 +132,29 @@ class PagedContext:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         return q
 
-    def read(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def read(self, layer_idx: int, q: torch.Tensor, window: int | None = None,
+             scale: float | None = None) -> torch.Tensor:
+        """Attention of the step's (rotated) queries over the cache; `window`, `scale` as in `causal_attention`."""
         if self._host_lists is None:  # once per step: the reference loops over sequences in Python
             self._host_lists = (self.meta.query_start_loc.tolist(), self.meta.context_lens.tolist())
-        return paged_attention_reference(q, self.cache, layer_idx, *self._host_lists, self.meta.block_tables)
+        return paged_attention_reference(q, self.cache, layer_idx, *self._host_lists, self.meta.block_tables,
+                                         window=window, scale=scale)
 
 
 def paged_attention_reference(q: torch.Tensor, cache: PagedKVCache, layer_idx: int, query_start_loc: list[int],
-                              context_lens: list[int], block_tables: torch.Tensor) -> torch.Tensor:
+                              context_lens: list[int], block_tables: torch.Tensor, window: int | None = None,
+                              scale: float | None = None) -> torch.Tensor:
     """The PyTorch reference: gather each sequence's K/V through its block table, then attend.
 
     q [T, Hq, D] -> [T, Hq, D]. A sequence with `n` new tokens and `L` cached tokens in all has
-    queries at positions L - n .. L - 1.
+    queries at positions L - n .. L - 1. `window` and `scale` as in `causal_attention`.
     """
     # >>> week05: paged-attention-reference
     outs = []
     for i, context_len in enumerate(context_lens):
         a, b = query_start_loc[i], query_start_loc[i + 1]
         keys, values = cache.gather(layer_idx, block_tables[i], context_len)
-        outs.append(causal_attention(q[a:b], keys, values, q_start=context_len - (b - a)))
+        outs.append(causal_attention(q[a:b], keys, values, q_start=context_len - (b - a), window=window,
+                                     scale=scale))
     return torch.cat(outs, dim=0)
     # <<< week05: paged-attention-reference

@@ -15,9 +15,11 @@ from nanoserve.kernels.paged_attention import paged_attention
 
 
 class TritonPagedContext(PagedContext):
-    def read(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+    def read(self, layer_idx: int, q: torch.Tensor, window: int | None = None,
+             scale: float | None = None) -> torch.Tensor:
         # >>> week06: triton-read
         m = self.meta
         return paged_attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], m.block_tables,
-                               m.query_start_loc, m.context_lens, m.max_query_len, m.max_context_len)
+                               m.query_start_loc, m.context_lens, m.max_query_len, m.max_context_len,
+                               window=window, scale=scale)
         # <<< week06: triton-read

@@ -31,11 +31,12 @@ class LayerDiff:
 
 @torch.no_grad()
 def compare_with_hf(model: str, input_ids: list[int], ours: Llama | None = None) -> list[LayerDiff]:
-    """Differences between nanoserve and HF (both float32) at every stage of the forward pass."""
-    from transformers import LlamaForCausalLM
+    """Differences between nanoserve and HF (both float32) at every stage of the forward pass, for
+    any family (week 19): HF's class is the one the checkpoint's config names."""
+    from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(model)
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ours = ours if ours is not None else load_model(model_dir, dtype=torch.float32)
     ids = torch.tensor(input_ids)
     expected = hf(ids[None], output_hidden_states=True)

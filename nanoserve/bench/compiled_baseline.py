@@ -40,15 +40,18 @@ class StaticKVContext(torch.nn.Module):
         self.input_pos = torch.zeros(1, dtype=torch.long, device=weight.device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] for the positions in `input_pos` -> [T, Hq, D]."""
+               sin: torch.Tensor, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] for the positions in `input_pos` -> [T, Hq, D]. `window`
+        and `scale` as in `nanoserve.attention.base.causal_attention`."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.k[layer_idx].index_copy_(0, self.input_pos, k)
         self.v[layer_idx].index_copy_(0, self.input_pos, v)
         visible = self.all_positions[None, :] <= self.input_pos[:, None]  # [T, max_len]: causal, and no row past
+        if window is not None:  # and none that slid out of the window
+            visible = visible & (self.all_positions[None, :] > self.input_pos[:, None] - window)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], self.k[layer_idx].transpose(0, 1)[None], self.v[layer_idx].transpose(0, 1)[None],
-            attn_mask=visible[None, None], enable_gqa=True)  # [1, Hq, T, D]
+            attn_mask=visible[None, None], enable_gqa=True, scale=scale)  # [1, Hq, T, D]
         return out[0].transpose(0, 1)
 
 

@@ -183,5 +183,5 @@ def use_fused_kernels(model: Llama, on: bool = True) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = add_rmsnorm if on else None
-        elif isinstance(module, MLP):
+        elif type(module) is MLP:  # SiLU's: a family's other activation (Gemma's GELU) keeps its own code
             module.fused = gate_up_silu if on else None

@@ -22,12 +22,22 @@ the K/V tile is loaded once for all of them). For each tile of BLOCK_N cached to
 A decode step uses BLOCK_Q = 1 (one program per sequence and KV head). With few sequences that
 grid is too small to fill the GPU, so the cached context can be split across programs
 (flash-decoding): each split writes its partial (acc, m, l) and a second small kernel merges them.
+
+Week 19, sliding windows (Mistral, Gemma 3's local layers): with a window W, the query at position
+p sees only keys p - W < j <= p. The mask alone would give the right answer, but a long context
+would still be read in full. So a program starts its key loop at the window start of its tile's
+earliest query, rounded down to a multiple of BLOCK_N: the tiles before it, invisible to every row
+of the tile, are never loaded. With context splits, the splits share this visible range
+[window start, kv_end), not [0, kv_end). A decode query then reads about W keys, whatever the
+context's length. The window is a runtime argument behind a constexpr switch, SLIDING: one compiled
+variant for the full-attention layers and one for the sliding ones, whatever the window's value.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -39,13 +49,14 @@ import triton.language as tl
 MAX_SPLITS = 64
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _paged_attention_kernel(
     Q, K, V, BlockTables, QueryStartLoc, ContextLens, Out, PartialAcc, PartialM, PartialL,
     stride_q_tok, stride_q_head, stride_k_block, stride_k_slot, stride_k_head,  # V is laid out as K
     stride_bt_seq, stride_o_tok, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
     num_seqs, num_splits,  # num_splits: programs per tile of queries, each taking one slice of the context
+    window,  # week 19: with SLIDING, the query at p sees keys p - window < j <= p (window >= 1); else unused (0)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two (BLOCK_Q * GROUP_PAD >= 16, tl.dot's smallest tile)
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -55,6 +66,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # cached tokens per loop iteration (several blocks)
     SPLIT: tl.constexpr,  # write partials for the merge kernel instead of the output
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tensor cores otherwise
+    SLIDING: tl.constexpr,  # week 19: a sliding-window layer (reads `window`)
 ):
     # >>> week06: paged-attention-kernel
     tile = tl.program_id(0)
@@ -94,8 +106,14 @@ def _paged_attention_kernel(
 
     # The keys this tile can see end at its last token's position; cut them into num_splits slices.
     kv_end = tl.minimum(context_len, past + first + BLOCK_Q)
-    partition = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    start = split * partition
+    kv_start = 0
+    if SLIDING:  # week 19: and begin at its first token's window, on a tile boundary
+        kv_start = tl.maximum(past + first - window + 1, 0) // BLOCK_N * BLOCK_N
+        # A row sees keys > win_lo. Rows past the sequence's last token (padding, never stored) take
+        # that token's window: every row sees at least one key, and none computes 0 / 0.
+        win_lo = tl.minimum(q_pos, context_len - 1) - window
+    partition = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_start + split * partition
     end = tl.minimum(start + partition, kv_end)
 
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
@@ -115,7 +133,10 @@ def _paged_attention_kernel(
         v = tl.load(V + block[:, None] * stride_k_block + offset[:, None] * stride_k_slot
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))  # causal
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+        if SLIDING:  # week 19: and inside the row's window
+            visible = visible & (pos[None, :] > win_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         p = tl.exp2(s - m_safe[:, None])
@@ -164,11 +185,18 @@ def _num_sm(device: torch.device) -> int:
 def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Split the context only when the grid would otherwise leave the GPU idle. Measured on an
     H100 (docs/benchmarks.md): decode is fastest with about four programs per SM, and a split
-    still pays off down to one 64-token tile per program."""
+    still pays off down to one 64-token tile per program. `max_context`: the most keys one tile of
+    queries reads (with a sliding window, see `visible_context`)."""
     programs = num_tiles * num_kv_heads
     want = round(4 * _num_sm(device) / programs)
     most = max(1, math.ceil(max_context / 64))
     return max(1, min(want, most, MAX_SPLITS))
+
+
+def visible_context(max_context: int, max_query_len: int, window: int | None) -> int:
+    """Week 19: the most keys a tile of queries can see: the whole context, or with a sliding
+    window, the window of its first query and the keys of its later ones."""
+    return max_context if window is None else min(max_context, window + max_query_len - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,8 +218,12 @@ def paged_attention(
     context_lens: torch.Tensor,  # [num_seqs] int: tokens in the cache after this step, new ones included
     max_query_len: int, max_context: int,  # host-side bounds: they choose the launch shape, never read per sequence
     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,  # tuning
+    window: int | None = None,  # week 19: a sliding window of this many keys (itself included); None: all
+    scale: float | None = None,  # week 19: the softmax scale; None: head_dim ** -0.5
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V -> [T, num_heads, head_dim]."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 key, got {window}")
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -202,7 +234,8 @@ def paged_attention(
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     out = torch.empty_like(q)
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, num_kv_heads, max_context, q.device)
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, visible_context(max_context, max_query_len, window),
+                                       q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
     partial_acc = partial_m = partial_l = out  # unused without splits
@@ -213,10 +246,12 @@ def paged_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, partial_acc, partial_m, partial_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(head_dim)) * 1.4426950408889634, num_seqs, num_splits,
+        (1.0 / math.sqrt(head_dim) if scale is None else scale) * 1.4426950408889634, num_seqs, num_splits,
+        0 if window is None else window,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DECODE=decode, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SLIDING=window is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -225,10 +260,14 @@ def paged_attention(
     return out
 
 
-def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context: int) -> None:
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context: int,
+            windows: Sequence[int | None] = (None,)) -> None:
     """Compile the kernel's variants before the first request needs them: decode and new tokens
-    over a past (a prompt, a chunk), each with and without context splits."""
+    over a past (a prompt, a chunk), each with and without context splits; for each of the model's
+    layer `windows` (None: full attention; any int compiles the one sliding variant)."""
     device, block_size = k_cache.device, k_cache.shape[1]
+    sliding = sorted({w for w in windows if w is not None})
+    variants = ([None] if None in windows else []) + sliding[:1]  # one sliding variant serves every window
     context = min(max_context, k_cache.shape[0] * block_size, 1024)
     blocks = torch.arange(triton.cdiv(context, block_size), dtype=torch.int32, device=device)[None]
     for new in (1, 16):
@@ -236,4 +275,6 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_co
         starts = torch.tensor([0, new], dtype=torch.int32, device=device)
         lens = torch.tensor([context], dtype=torch.int32, device=device)
         for splits in (1, 2):
-            paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits)
+            for window in variants:
+                paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits,
+                                window=window)

