@@ -166,6 +166,7 @@ def family_config(arch: str, meta: dict[str, Any], tensors: dict[str, tuple[int,
 
 def _gemma3_fields(meta: dict[str, Any], config: dict[str, Any], theta: float, scaling: str) -> dict[str, Any]:
     """Gemma 3's own fields, as llama.cpp runs a gemma3 file (`llama-model.cpp`, LLM_ARCH_GEMMA3)."""
+    # >>> week19: gemma3-gguf
     num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     window = meta.get("gemma3.attention.sliding_window")
     if window:  # layer i attends globally when (i + 1) % 6 == 0, to its last `window` tokens otherwise
@@ -196,3 +197,4 @@ def _gemma3_fields(meta: dict[str, Any], config: dict[str, Any], theta: float, s
         "final_logit_softcapping": _clean(softcap) if softcap else None,
         "attn_logit_softcapping": _clean(attn_softcap) if attn_softcap else None,
     }
+    # <<< week19: gemma3-gguf

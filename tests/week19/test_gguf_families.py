@@ -232,6 +232,7 @@ def test_qwen2_without_biases_is_refused():
         family_config("qwen2", _meta("qwen2"), {"token_embd.weight": (151936, 1024)})
 
 
+@pytest.mark.exercise("gemma3-gguf")
 def test_gemma3_config_rules():
     tensors = {"token_embd.weight": (262144, 5376)}
     meta = _meta("gemma3", embedding_length=5376, **{"attention.head_count": 32, "attention.head_count_kv": 16,
@@ -268,6 +269,7 @@ def test_gemma3_270m_not_installed(monkeypatch):
 # ------------------------------------------------------------------------------- tiny files, end to end
 
 
+@pytest.mark.exercise("gemma3-gguf")
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("arch", list(HF_CLASS))
 @torch.no_grad()
@@ -302,6 +304,7 @@ def test_nanoserve_runs_the_file_as_transformers_does(models, arch, tmp_path):
     torch.testing.assert_close(logits, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
+@pytest.mark.exercise("gemma3-gguf")
 def test_the_configs(models, tmp_path):
     from transformers import AutoConfig
 
