@@ -139,7 +139,7 @@ class ModelConfig:
             torch_dtype=str(dtype),
         )
         # <<< week01: config-from-dict
-        return _family_options(config, supported[0], raw)
+        return _family_options(config, raw)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -216,9 +216,11 @@ def _refuse_what_llama_lacks(raw: dict[str, Any]) -> None:
         raise ConfigError(f"hidden_act '{hidden_act}' is not supported (Llama uses 'silu')")
 
 
-def _family_options(config: ModelConfig, architecture: str, raw: dict[str, Any]) -> ModelConfig:
-    """What the family of `architecture` changes in a Llama, read from its config.json; anything a
-    family has that nanoserve does not run is refused by name."""
+def _family_options(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
+    """What the checkpoint's family changes in a Llama, read from its config.json; anything a family
+    has that nanoserve does not run is refused by name. (`from_dict` has checked the architecture.)"""
+    named = [a for a in raw.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES]
+    architecture = named[0] if named else MODEL_TYPES[raw["model_type"]]
     if architecture == "LlamaForCausalLM":  # the defaults are Llama's: nothing to read
         _refuse_what_llama_lacks(raw)
         return config
