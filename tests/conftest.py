@@ -20,6 +20,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n 2`) each worker process computes on one thread: two workers on two cores
+# then each have a core, instead of four threads fighting over two.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     # The tests of the tests (tests/course/test_workspace.py) run last: they take a good part of the
