@@ -139,6 +139,22 @@ def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed
 # ------------------------------------------------------------------ GGUF files (week 13)
 
 
+def private_gguf_cache(tmp_path_factory):
+    """A session fixture's body (weeks 13 and 19): GGUF files convert into a fresh cache of the test
+    session's own, never the user's, so a directory converted by another converter (an older one, or
+    a learner's with stubbed dequantizers) is never read back."""
+    import os
+
+    old = os.environ.get("NANOSERVE_CACHE_DIR")
+    os.environ["NANOSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("nanoserve-cache"))
+    yield
+    if old is None:
+        os.environ.pop("NANOSERVE_CACHE_DIR", None)
+    else:
+        os.environ["NANOSERVE_CACHE_DIR"] = old
+
+
+
 def _hf_to_gguf_name(name: str) -> str:
     """The inverse of `gguf_loader.gguf_to_hf`, for writing test files."""
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
