@@ -16,7 +16,7 @@ import torch
 
 from nanoserve.attention.base import PrefillContext
 from nanoserve.model.llama import Llama
-from nanoserve.model.loader import load_model, resolve_model_dir
+from nanoserve.model.loader import gguf_source, load_model, resolve_model_dir
 
 
 @dataclass
@@ -32,11 +32,18 @@ class LayerDiff:
 @torch.no_grad()
 def compare_with_hf(model: str, input_ids: list[int], ours: Llama | None = None) -> list[LayerDiff]:
     """Differences between nanoserve and HF (both float32) at every stage of the forward pass, for
-    any family (week 19): HF's class is the one the checkpoint's config names."""
+    any family (week 19): HF's class is the one the checkpoint's config names. For a GGUF file HF
+    reads the file itself (its own GGUF loader), not nanoserve's conversion of it: the comparison
+    then covers the converter too."""
     from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(model)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    source = gguf_source(model)
+    if source is not None:
+        hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf.eval()
     ours = ours if ours is not None else load_model(model_dir, dtype=torch.float32)
     ids = torch.tensor(input_ids)
     expected = hf(ids[None], output_hidden_states=True)

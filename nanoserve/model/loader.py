@@ -61,6 +61,18 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     return _download(text)
 
 
+def gguf_source(model: str | os.PathLike) -> Path | None:
+    """The GGUF file a model name stands for ("smollm2", "gemma3-270m", a `.gguf` path, or a GGUF
+    file by another name), or None when it names a checkpoint directory or a hub id."""
+    text = str(model)
+    if text in GGUF_MODELS:
+        return GGUF_MODELS[text]()
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf" or (path.is_file() and _is_gguf(path)):
+        return path
+    return None
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

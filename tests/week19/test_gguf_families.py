@@ -487,3 +487,24 @@ def test_gemma3_270m_through_nanoserve(gemma, gemma_hf):
     assert {1, 106} <= llm.engine.eos_ids
     forced = llm.generate([chat], SamplingParams(temperature=0, max_tokens=8, logit_bias={106: 100.0}))[0]
     assert forced.finish_reason == "stop" and len(forced.token_ids) <= 1
+
+
+@pytest.mark.parametrize("arch", list(HF_CLASS))
+def test_compare_reads_the_gguf_file_with_transformers(models, arch, tmp_path):
+    """`nanoserve compare --model FILE.gguf`: HF reads the file with its own GGUF loader, so a fault
+    in nanoserve's conversion shows as a divergence. Planted: a norm of the converted directory
+    changed on disk, which HF reading that directory would share and never see."""
+    from safetensors.torch import load_file, save_file
+
+    from nanoserve.bench.compare import compare_with_hf, first_divergence
+    from nanoserve.model.loader import gguf_source, resolve_model_dir
+
+    path = write_family_gguf(tmp_path / f"{arch}.gguf", models[arch], arch, "Q8_0")
+    assert gguf_source(str(path)) == path and gguf_source(str(tmp_path)) is None
+    ids = torch.randint(0, models[arch].config.vocab_size, (13,)).tolist()
+    assert first_divergence(compare_with_hf(str(path), ids)) is None
+    weights = resolve_model_dir(path) / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.input_layernorm.weight"] += 0.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert first_divergence(compare_with_hf(str(path), ids)).name == "layer 0"
