@@ -62,15 +62,23 @@ def sampling_params(args: argparse.Namespace, model_dir: os.PathLike) -> tuple[S
 
 def describe_sampling(params: SamplingParams) -> str:
     """'greedy', or the settings that shape the draw: 'temperature 0.7, top-p 0.9, repetition penalty 1.1'."""
-    if params.greedy and params.repetition_penalty == 1.0:
+    return describe_settings(params.temperature, params.top_p, params.top_k, params.repetition_penalty)
+
+
+def describe_settings(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      repetition_penalty: float = 1.0) -> str:
+    """`describe_sampling` from the values themselves (the defaults are SamplingParams'): the help
+    text uses it without building a SamplingParams, whose checks are a week-3 exercise."""
+    greedy = temperature == 0
+    if greedy and repetition_penalty == 1.0:
         return "greedy"
-    parts = ["greedy" if params.greedy else f"temperature {params.temperature:g}"]
-    if not params.greedy and params.top_p < 1.0:
-        parts.append(f"top-p {params.top_p:g}")
-    if not params.greedy and params.top_k:
-        parts.append(f"top-k {params.top_k}")
-    if params.repetition_penalty != 1.0:
-        parts.append(f"repetition penalty {params.repetition_penalty:g}")
+    parts = ["greedy" if greedy else f"temperature {temperature:g}"]
+    if not greedy and top_p < 1.0:
+        parts.append(f"top-p {top_p:g}")
+    if not greedy and top_k:
+        parts.append(f"top-k {top_k}")
+    if repetition_penalty != 1.0:
+        parts.append(f"repetition penalty {repetition_penalty:g}")
     return ", ".join(parts)
 
 
@@ -264,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoserve.engine.config import EngineConfig
 
     def add_sampling(p: argparse.ArgumentParser, max_tokens: int, command: str) -> None:
-        fallback = describe_sampling(SamplingParams(**FALLBACK_SAMPLING[command]))
+        fallback = describe_settings(**FALLBACK_SAMPLING[command])
         g = p.add_argument_group("sampling", "Unset, --temperature, --top-p, --top-k and --repetition-penalty are "
                                  "the model's own (its generation_config.json, or a GGUF file's general.sampling.* "
                                  f"keys); when the model names none: {fallback}.")
