@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -276,6 +277,10 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     n, tp = args.data_parallel_size, args.tensor_parallel_size
     cuda = (args.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
     procs, urls = [], []
+    # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills
+    # this process on the spot, skipping `finally`; and uvicorn, which handles it while it serves,
+    # raises it again once it has shut down. Raised as SystemExit instead, it unwinds to `finally`.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         for i in range(n):
             port = args.port + 1 + i
@@ -297,10 +302,19 @@ def serve_data_parallel(args, argv: list[str]) -> int:
             p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=REPLICA_STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+REPLICA_STOP_TIMEOUT = 8.0  # seconds a replica gets to finish after SIGTERM before it is killed
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def _cuda_available() -> bool:

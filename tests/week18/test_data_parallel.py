@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -125,24 +126,41 @@ def test_streams_pass_through_and_health_reports_each_replica(front):
 
 
 @pytest.mark.slow
-def test_serve_with_two_replicas_from_the_command_line():
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_with_two_replicas_from_the_command_line(stop):
+    """Two replicas behind the front; Ctrl-C and SIGTERM (what docker, systemd and kubernetes send)
+    each end the front and both replicas within 10 s."""
+    psutil = pytest.importorskip("psutil", reason="the test finds the replicas' processes with psutil: pip install psutil")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
            "--data-parallel-size", "2", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file, not a pipe: leaked replicas would hold a pipe open and block a read of it.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    replicas = []
     try:
         wait_healthy([url], [proc], timeout=120)
-        replicas = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
-        assert all(httpx.get(u + "/health").status_code == 200 for u in replicas)
+        replicas = psutil.Process(proc.pid).children()
+        assert len(replicas) == 2
+        assert all(httpx.get(f"http://127.0.0.1:{port + i}/health").status_code == 200 for i in (1, 2))
         served = {httpx.post(url + "/v1/completions", json=BODY, timeout=60).headers["x-nanoserve-replica"]
                   for _ in range(4)}
         assert served == {"0", "1"}
+        started = time.monotonic()
+        proc.send_signal(stop)
+        code = proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(replicas, timeout=max(0.1, 10 - (time.monotonic() - started)))
+        assert not alive, f"replicas still running {time.monotonic() - started:.1f} s after the front's {stop.name}"
+        assert code == 0 and time.monotonic() - started < 10
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+        for p in replicas:
+            if p.is_running():
+                p.kill()
     for i in (1, 2):  # the replicas went with it
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port + i}/health", timeout=2)
