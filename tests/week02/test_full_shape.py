@@ -17,7 +17,8 @@ from nanoserve.runner.generate import greedy_generate_no_cache
 from nanoserve.model.loader import load_model
 from nanoserve.testing import LLAMA_3_2_1B, make_hf_model, save_checkpoint
 
-pytestmark = pytest.mark.slow
+# slow; and under pytest-xdist on the worker of the other large models, never beside them (memory)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("large-models")]
 
 
 @torch.no_grad()

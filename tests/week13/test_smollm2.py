@@ -29,6 +29,9 @@ CHATS = [
      {"role": "user", "content": "Three more, please."}],
 ]
 MAX_TOKENS = 16
+# Under pytest-xdist: the whole file on one worker, so its module fixtures (the model, HF reading the
+# file) are built once.
+pytestmark = pytest.mark.xdist_group("smollm2")
 
 
 @pytest.fixture(scope="module")

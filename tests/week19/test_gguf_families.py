@@ -411,6 +411,7 @@ def gemma_hf(gemma):
     return Gemma3ForCausalLM.from_pretrained(str(gemma[1]), dtype=torch.float32).eval()
 
 
+@pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 def test_gemma3_270m_config(gemma):
     path, directory = gemma
     config = json.loads((directory / "config.json").read_text())
@@ -429,6 +430,7 @@ def test_gemma3_270m_config(gemma):
     assert json.loads((directory / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
 
 
+@pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 def test_gemma3_270m_tokenizer_equals_transformers(gemma):
     from transformers import AutoTokenizer
 
@@ -447,6 +449,7 @@ def test_gemma3_270m_tokenizer_equals_transformers(gemma):
     assert (ours.bos_token_id, ours.eos_token_id) == (2, 1)
 
 
+@pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 @torch.no_grad()
 def test_gemma3_270m_greedy_tokens_equal_transformers_reading_the_file(gemma, gemma_hf):
     from transformers import AutoTokenizer
@@ -466,6 +469,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_reading_the_file(gemma, ge
     torch.testing.assert_close(ours(ids).logits, expected, atol=1e-4 * scale, rtol=1e-4)
 
 
+@pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 @torch.no_grad()
 def test_gemma3_270m_through_nanoserve(gemma, gemma_hf):
     """`LLM("gemma3-270m")` (float32, CPU) gives HF's greedy tokens, on plain prompts and on a chat in
