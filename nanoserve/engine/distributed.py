@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import pickle
 import socket
 import subprocess
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -131,6 +133,7 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
     broadcasts until it sends None. `device`: this rank's own."""
 
     group = init_group(rank, size, init_method, device, timeout)
+    side = None
     try:
         side = build_device_side(dataclasses.replace(config, device=device), group)
         runner = side.runner
@@ -138,7 +141,49 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
             runner.run(*message)
             runner.prompt_logprobs.clear()  # only the driver reports them
     finally:
+        if side is not None:
+            release_graphs(side.runner)
+        side = runner = None
+        leave_group()
+
+
+def release_graphs(runner) -> None:
+    """Free a runner's CUDA graphs and wait for the GPU, before the process group goes: graphs that
+    captured NCCL all-reduces still hold the communicator's resources, and destroying it under them
+    can hang (it did, on two GPUs, at the end of a benchmark)."""
+    runner.graphs = None
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def stop_workers(runner, workers: "Workers") -> None:
+    """The driver's side of the end: its graphs freed first (they hold the NCCL communicator the
+    workers share), then the workers told to stop and waited for, then the group left."""
+    if not workers.closed:
+        release_graphs(runner)
+    workers.close()
+
+
+LEAVE_TIMEOUT = 10.0  # seconds `destroy_process_group` may take before a rank stops waiting for it
+
+
+def leave_group(timeout: float = LEAVE_TIMEOUT) -> bool:
+    """Destroy the process group, but never wait for it longer than `timeout`: a rank on its way out
+    must not hang there (the process then exits with the group undestroyed). True if it finished."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="nanoserve-leave-group", daemon=True).start()
+    if not done.wait(timeout):
+        print(f"nanoserve: leaving the process group took over {timeout:.0f} s; exiting without it", file=sys.stderr)
+        return False
+    return True
 
 
 class Workers:
@@ -228,7 +273,10 @@ class Workers:
             raise WorkerFailed(self.failed) from e
 
     def close(self) -> None:
-        """Tell the workers to stop, wait for them (briefly), and leave the process group."""
+        """Tell the workers to stop, leave the process group together with them, and wait for
+        their processes (briefly). The group is left right after the stop message, not after the
+        workers have exited: NCCL's teardown waits for every rank, so a driver that first waited for
+        the workers while they waited for it would hang until the timeouts."""
         if self.closed:
             return
         self.closed = True
@@ -238,6 +286,7 @@ class Workers:
                 broadcast_step(self.group, None)
         except Exception:  # noqa: BLE001 - a dead worker: stop the others below
             pass
+        leave_group()
         if self.executor in ("mp", "torchrun"):
             for p in self.procs:
                 try:
@@ -250,8 +299,6 @@ class Workers:
 
             for a in self.procs:
                 ray.kill(a)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _same_package_env() -> dict[str, str]:

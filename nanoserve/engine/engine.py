@@ -27,7 +27,7 @@ import torch
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
-from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel
+from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
@@ -90,7 +90,7 @@ class Engine:
         self.attention_backend, self.max_model_len = side.attention_backend, side.max_model_len
         self.runner.workers = self.workers
         if self.workers is not None:  # stop them when this engine goes away, or at exit
-            weakref.finalize(self, self.workers.close)
+            weakref.finalize(self, stop_workers, self.runner, self.workers)
         cfg = self.model.config
         self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, batching=c.batching, preemption=c.preemption,
@@ -220,7 +220,7 @@ class Engine:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
         if self.workers is not None:
-            self.workers.close()
+            stop_workers(self.runner, self.workers)
 
     def spec_stats(self) -> dict | None:
         """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps

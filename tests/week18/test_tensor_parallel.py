@@ -189,3 +189,22 @@ def test_bench_never_replays_the_drivers_graph_alone():
     if torch.cuda.is_available():
         assert replay_ms(SimpleNamespace(runner=SimpleNamespace(graphs=graphs), workers=None), reps=3) is not None
         assert Graph.replays == 4
+
+
+def test_leaving_the_group_never_hangs(monkeypatch, capsys):
+    """A rank on its way out waits at most the timeout for `destroy_process_group` (NCCL's teardown
+    hung at the end of a 2-GPU benchmark), then goes on without it."""
+    import threading
+    import time
+
+    from nanoserve.engine import distributed
+
+    release = threading.Event()
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: release.wait(30))
+    started = time.monotonic()
+    assert distributed.leave_group(timeout=0.5) is False
+    assert time.monotonic() - started < 5 and "exiting without it" in capsys.readouterr().err
+    release.set()
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: None)
+    assert distributed.leave_group(timeout=5) is True
