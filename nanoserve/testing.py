@@ -246,6 +246,37 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
 # ------------------------------------------------------------------ scheduling without a model
 
 
+def random_paged_step(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                      spare_blocks: int = 3):
+    """One step for the paged-attention tests (weeks 6 and 19): `seqs` gives (past, new) tokens per
+    sequence; a one-layer pool of random K/V whose blocks are handed out shuffled, as a busy pool's
+    would be. Returns (cache, tables as lists, block_tables [N, width] int32, query_start_loc as a
+    list, context lengths, q [T, num_heads, head_dim])."""
+    import random
+
+    from nanoserve.attention.paged import PagedKVCache
+    from nanoserve.scheduler.blocks import blocks_needed
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    lens = [past + new for past, new in seqs]
+    num_blocks = sum(blocks_needed(n, block_size) for n in lens) + spare_blocks
+    cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache.k.normal_()
+    cache.v.normal_()
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(blocks_needed(n, block_size))] for n in lens]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    starts = [0]
+    for _, new in seqs:
+        starts.append(starts[-1] + new)
+    q = torch.randn(starts[-1], num_heads, head_dim, dtype=dtype, device=device)
+    return cache, tables, block_tables, starts, lens, q
+
+
 def run_scheduler(scheduler, arrivals: dict[int, list], token: int = 7, max_steps: int = 100_000,
                   on_step=None) -> int:
     """Drive a `Scheduler` with a fake runner: every scheduled sequence gets `token` each step.

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("triton", reason="week 6 needs the triton package: pip install triton (Linux)")
 
-from nanoserve.scheduler.blocks import blocks_needed  # noqa: E402
 from nanoserve.attention.paged import PagedKVCache, paged_attention_reference  # noqa: E402
 from nanoserve.kernels.paged_attention import choose_num_splits, launch_shape, paged_attention  # noqa: E402
+from nanoserve.testing import random_paged_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,22 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def check(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, num_splits=None, atol=2e-5,
           seed=0):
     """seqs: (past, new) per sequence. The pool holds random K/V in shuffled, unordered blocks."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    lens = [past + new for past, new in seqs]
-    num_blocks = sum(blocks_needed(n, block_size) for n in lens) + 5
-    cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    cache.k.normal_()
-    cache.v.normal_()
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(blocks_needed(n, block_size))] for n in lens]
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    starts = [0]
-    for _, new in seqs:
-        starts.append(starts[-1] + new)
-    q = torch.randn(starts[-1], num_heads, head_dim, dtype=dtype, device=DEVICE)
+    cache, _, block_tables, starts, lens, q = random_paged_step(seqs, block_size, num_heads, num_kv_heads, head_dim,
+                                                               dtype, DEVICE, seed, spare_blocks=5)
     expected = paged_attention_reference(q.float(), _as_float(cache), 0, starts, lens, block_tables)
     out = paged_attention(q, cache.k[0], cache.v[0], block_tables, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
                           torch.tensor(lens, dtype=torch.int32, device=DEVICE), max(n for _, n in seqs), max(lens),

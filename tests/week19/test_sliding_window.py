@@ -20,6 +20,7 @@ from nanoserve.attention.naive import NaiveCacheContext, NaiveKVCache
 from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache, paged_attention_reference
 from nanoserve.bench.compiled_baseline import StaticKVContext
 from nanoserve.scheduler.blocks import blocks_needed, slot_of
+from nanoserve.testing import random_paged_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -213,22 +214,8 @@ def check_kernel(seqs, window, block_size=4, heads=4, kv_heads=2, head_dim=16, s
     pytest.importorskip("triton")
     from nanoserve.kernels.paged_attention import paged_attention
 
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    lens = [past + new for past, new in seqs]
-    num_blocks = sum(blocks_needed(n, block_size) for n in lens) + 3
-    cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
-    cache.k.normal_()
-    cache.v.normal_()
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(blocks_needed(n, block_size))] for n in lens]
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    starts = [0]
-    for _, new in seqs:
-        starts.append(starts[-1] + new)
-    q = torch.randn(starts[-1], heads, head_dim, device=DEVICE)
+    cache, tables, block_tables, starts, lens, q = random_paged_step(seqs, block_size, heads, kv_heads, head_dim,
+                                                                    device=DEVICE, seed=seed)
     expected = paged_attention_reference(q, cache, 0, starts, lens, block_tables, window=window, scale=scale)
 
     poisoned = 0
