@@ -1,6 +1,8 @@
 """Week 18: replicas behind one front (data parallelism), and a tensor-parallel server that fails loudly."""
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -126,14 +128,29 @@ def test_streams_pass_through_and_health_reports_each_replica(front):
 
 
 @pytest.mark.slow
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports, drawn below Linux's ephemeral range (32768 on):
+    ports the OS hands out to other tests' servers come one after another there, and under pytest-xdist
+    another test's server could take the port right after this one's front."""
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 32000 - n)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_serve_with_two_replicas_from_the_command_line(stop):
     """Two replicas behind the front; Ctrl-C and SIGTERM (what docker, systemd and kubernetes send)
     each end the front and both replicas within 10 s."""
     psutil = pytest.importorskip("psutil", reason="the test finds the replicas' processes with psutil: pip install psutil")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(3)  # the front, and its replicas on the next two
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
            "--data-parallel-size", "2", "--log-level", "warning"]
     # Output to a file, not a pipe: leaked replicas would hold a pipe open and block a read of it.
