@@ -18,8 +18,11 @@ ids that fall in its rows (zeros for the others) and one all-reduce assembles th
 output projection (tied to the embedding, or not) gives each rank its slice of the logits, and an
 all-gather puts the whole rows together. Sampling happens on rank 0 only, the driver: it owns the
 scheduler, the tokenizer and the requests (`nanoserve/engine/engine.py`); the other ranks, the workers,
-only execute steps. Each step the driver broadcasts the step's description (a `StepInput`: token
-ids, positions, slot mapping, block tables; `nanoserve/runner/runner.py`) and all ranks run it. The block
+only execute steps. Each step the driver sends the step's description (a `StepInput`: token
+ids, positions, slot mapping, block tables; `nanoserve/runner/runner.py`) to every worker, through a
+`nanoserve/engine/step_channel.py` channel (week 20: shared memory on one host), and all ranks run it.
+With async scheduling (week 20) the step's first tokens may still be on the driver's GPU; the
+driver then broadcasts them over the device group, GPU to GPU, and no rank waits for the host. The block
 tables are the same on every rank: a block id names the same tokens everywhere, each rank storing
 its own heads of them.
 
@@ -30,7 +33,7 @@ head counts and sizes to the local ones.
 Processes are started here (`start_workers`: torch.multiprocessing, or Ray actors with
 `executor="ray"`, the way to span several hosts), or by `torchrun`, whose environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are honoured. NCCL moves the tensors between GPUs,
-gloo between CPU processes; the step descriptions always travel over gloo.
+gloo between CPU processes.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch.distributed as dist
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.device import build_device_side
+from nanoserve.engine.step_channel import open_channel
 from nanoserve.model.tensor_parallel import Group
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -57,23 +61,6 @@ DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks bef
 
 class WorkerFailed(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
-
-
-# ------------------------------------------------------------------------- which slice is mine
-
-
-
-
-
-
-# ------------------------------------------------------------------------------ parallel layers
-
-
-
-
-
-
-# ----------------------------------------------------------------------------- sharding a model
 
 
 # --------------------------------------------------------------------------- starting the ranks
@@ -120,29 +107,37 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
 
-def broadcast_step(group: Group, message) -> object:
-    """Rank 0 sends `message` (a step, or None to stop), the others receive it."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
-    return box[0]
+def receive_last_tokens(group: Group, count: int, device: str):
+    """Async scheduling under tensor parallelism: the tokens the driver sampled last step, which
+    this step's decodes read on the device; `count` of them, broadcast from rank 0 over the device
+    group (NCCL: GPU to GPU, queued on the stream like the forward pass, no host round trip)."""
+    if count == 0:
+        return None
+    tokens = torch.empty(count, dtype=torch.long, device=device)
+    dist.broadcast(tokens, src=0, group=group.device_group)
+    return tokens
 
 
 def worker_main(config, rank: int, size: int, init_method: str, timeout: float, device: str) -> None:
     """A worker rank's whole life: join the group, build the same device side as the driver
     (its shard of the model, its KV pool, its CUDA graphs), then run the steps the driver
-    broadcasts until it sends None. `device`: this rank's own."""
+    sends until it sends None. `device`: this rank's own."""
 
     group = init_group(rank, size, init_method, device, timeout)
-    side = None
+    side = channel = None
     try:
+        channel = open_channel(group, cuda=device.startswith("cuda"))
         side = build_device_side(dataclasses.replace(config, device=device), group)
         runner = side.runner
-        while (message := broadcast_step(group, None)) is not None:
-            runner.run(*message)
+        while (message := channel.recv()) is not None:
+            step, prompt_rows, num_last = message
+            runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
             runner.prompt_logprobs.clear()  # only the driver reports them
     finally:
         if side is not None:
             release_graphs(side.runner)
+        if channel is not None:
+            channel.close()
         side = runner = None
         leave_group()
 
@@ -196,6 +191,7 @@ class Workers:
         self.procs: list = []
         self.refs: list = []
         self.group: Group | None = None
+        self.channel = None  # how steps reach the workers (`open_channel`), once the group is joined
         self.failed: str | None = None  # why the group broke, once it has
         self.closed = False
         host = "127.0.0.1"
@@ -235,7 +231,12 @@ class Workers:
         workers = cls.__new__(cls)
         workers.size, workers.executor, workers.timeout = group.size, "torchrun", timeout
         workers.procs, workers.refs, workers.group, workers.failed, workers.closed = [], [], group, None, False
+        workers.channel = None
         return workers
+
+    def open_channel(self, cuda: bool) -> None:
+        """Agree with the workers on the step channel (they call `open_channel` as they start)."""
+        self.channel = open_channel(self.group, cuda, poll=self.check_alive, timeout=self.timeout)
 
     def check_alive(self) -> None:
         """Raise WorkerFailed if a worker has exited (it never should before `close`)."""
@@ -257,17 +258,22 @@ class Workers:
                     reason = f"failed: {type(e).__name__}: {e}"
                 raise WorkerFailed(f"tensor-parallel rank {rank} (a Ray actor) {reason}; restart the server")
 
-    def run_step(self, run, step, prompt_rows):
-        """Broadcast one step's description to the workers, then run it here too (`run` is the
-        driver's `ModelRunner.run`). A rank that died, or stopped answering for `timeout`
-        seconds, raises WorkerFailed, and every later step too: the group is broken for good."""
+    def run_step(self, run, step, prompt_rows, last_tokens=None):
+        """Send one step's description to the workers, then run it here too (`run` is the
+        driver's `ModelRunner.run`). With async scheduling, the tokens of the step before that
+        this one reads on the device (`last_tokens`) follow over the device group. A rank that
+        died, or stopped answering for `timeout` seconds, raises WorkerFailed, and every later
+        step too: the group is broken for good."""
         if self.failed is not None:
             raise WorkerFailed(self.failed)
         try:
             self.check_alive()
-            broadcast_step(self.group, (step, prompt_rows))
-            return run(step, prompt_rows)
-        except (RuntimeError, dist.DistBackendError) as e:  # a collective failed, or timed out
+            num_last = last_tokens.numel() if step.from_last else 0
+            self.channel.send((step, prompt_rows, num_last))
+            if num_last:
+                dist.broadcast(last_tokens.contiguous(), src=0, group=self.group.device_group)
+            return run(step, prompt_rows, last_tokens)
+        except (RuntimeError, TimeoutError, dist.DistBackendError) as e:  # a collective failed, or timed out
             self.failed = str(e) if isinstance(e, WorkerFailed) else \
                 f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
             raise WorkerFailed(self.failed) from e
@@ -281,11 +287,13 @@ class Workers:
             return
         self.closed = True
         try:
-            if self.group is not None:
+            if self.channel is not None:
                 self.check_alive()
-                broadcast_step(self.group, None)
+                self.channel.send(None)
         except Exception:  # noqa: BLE001 - a dead worker: stop the others below
             pass
+        if self.channel is not None:
+            self.channel.close()
         leave_group()
         if self.executor in ("mp", "torchrun"):
             for p in self.procs:
@@ -349,11 +357,14 @@ def start_tensor_parallel(c: EngineConfig):
                              f"WORLD_SIZE ({size}); the other ranks run nanoserve.engine.distributed.worker_main")
         init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         group = init_group(0, size, init, rank_device(c.device, 0), c.distributed_timeout)
-        return group, Workers.started_elsewhere(group, c.distributed_timeout)
+        workers = Workers.started_elsewhere(group, c.distributed_timeout)
+        workers.open_channel(c.device.startswith("cuda"))
+        return group, workers
     workers = Workers(c, c.tensor_parallel_size, c.distributed_executor, c.distributed_timeout)
     try:
         workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, rank_device(c.device, 0),
                                    c.distributed_timeout)
+        workers.open_channel(c.device.startswith("cuda"))
     except BaseException:
         workers.close()
         raise

@@ -133,12 +133,11 @@ class Engine:
     def _choose_async_scheduling(self) -> bool:
         """Async scheduling (week 12), as asked, or by default where it pays: with CUDA
         graphs on a GPU (on the CPU every operation finishes before the next starts, so there is
-        nothing to overlap), once week 12 is done in a learner's workspace. Not with tensor
-        parallelism (the workers do not have the sampled tokens) nor speculation (its guesses are
-        built from the tokens on the host)."""
+        nothing to overlap), once week 12 is done in a learner's workspace. Not with speculation
+        (its guesses are built from the tokens on the host). With tensor parallelism (week 20) the
+        workers get the sampled tokens from the driver's GPU (`Workers.run_step`)."""
         c = self.config
-        conflicts = [name for name, on in (("tensor parallelism", self.workers is not None),
-                                           ("speculative decoding", self.speculator is not None)) if on]
+        conflicts = ["speculative decoding"] if self.speculator is not None else []
         if c.async_scheduling is not None:
             if c.async_scheduling and conflicts:
                 raise ValueError(f"async scheduling does not work with {' or '.join(conflicts)}")

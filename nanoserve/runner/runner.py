@@ -141,7 +141,7 @@ class ModelRunner:
                     step.from_last.append((row, rows[seq.seq_id]))
         prompt_rows = self.prompt_rows(batch, step)  # prompt logprobs: rows whose logits are kept, in eager steps only
         if self.workers is not None:  # week 18: every rank runs the same step
-            return self.workers.run_step(self.run, step, prompt_rows)
+            return self.workers.run_step(self.run, step, prompt_rows, last_tokens)
         return self.run(step, prompt_rows, last_tokens)
 
     @torch.no_grad()

@@ -104,6 +104,8 @@ def test_tokenizer_info(server, reference):
     ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "temperature", ["unknown field", "/tokenize"]),
     ("/tokenize", {"messages": MESSAGES, "tools": []}, 400, "tools", ["unknown field"]),
     ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens", ["/detokenize"]),
+    ("/detokenize", {"tokens": [], "": None}, 400, "", ["unknown field"]),  # null or not (found by the fuzz)
+    ("/tokenize", {"prompt": "x", "extra": None}, 400, "extra", ["unknown field"]),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", ["boolean"]),
     ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens", ["chat template"]),
     ("/tokenize", {"messages": []}, 400, "messages", ["at least 1"]),

@@ -1,0 +1,90 @@
+"""Week 20: the tensor-parallel step without a host round trip. The step description through a
+shared-memory channel, and async scheduling under tensor parallelism (the workers read the
+driver's sampled tokens from the device group). Two CPU processes over gloo here; the same code
+runs on GPUs with NCCL (docs/benchmarks.md, week 20)."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from nanoserve.engine.distributed import WorkerFailed
+from nanoserve.engine.engine import LLM
+from nanoserve.engine.step_channel import GlooChannel, SharedMemoryChannel
+from nanoserve.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow  # each test starts processes (a few seconds on the CPU)
+
+PROMPTS = ["The list", "A dictionary is a", "Once upon a time there was a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+CPU = dict(device="cpu", dtype=torch.float32)
+
+
+def tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tokens(LLM("tiny", **CPU))
+
+
+@pytest.fixture
+def shared_memory_channel(monkeypatch):
+    """CPU ranks would use gloo; force the shared-memory channel (the workers inherit it)."""
+    monkeypatch.setenv("NANOSERVE_STEP_CHANNEL", "shm")
+
+
+def test_steps_through_shared_memory_equal_one_process(reference, shared_memory_channel):
+    with LLM("tiny", tensor_parallel_size=2, **CPU) as llm:
+        assert isinstance(llm.engine.workers.channel, SharedMemoryChannel)
+        assert tokens(llm) == reference
+        name = llm.engine.workers.channel.memory.name
+    assert not os.path.exists(f"/dev/shm/{name}")  # the driver unlinked its slot
+
+
+def test_a_message_larger_than_the_slot_goes_over_gloo(reference, shared_memory_channel, monkeypatch):
+    """A slot of 64 bytes: every step is too large for it and travels over gloo, flagged as such."""
+    monkeypatch.setattr("nanoserve.engine.step_channel.SLOT_BYTES", 64)
+    with LLM("tiny", tensor_parallel_size=2, **CPU) as llm:
+        assert tokens(llm) == reference
+
+
+@pytest.mark.parametrize("channel", ["gloo", "shm"])
+def test_async_scheduling_under_tensor_parallelism(reference, channel, monkeypatch):
+    """The engine runs a step ahead; each decode's input is the token the driver sampled a step
+    ago, still on its device, broadcast to the workers there. Tokens equal the plain loop."""
+    monkeypatch.setenv("NANOSERVE_STEP_CHANNEL", channel)
+    with LLM("tiny", tensor_parallel_size=2, async_scheduling=True, **CPU) as llm:
+        assert llm.engine.async_scheduling
+        assert isinstance(llm.engine.workers.channel, GlooChannel if channel == "gloo" else SharedMemoryChannel)
+        assert tokens(llm) == reference
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=3)
+        assert tokens(llm, PROMPTS[:2], seeded) == tokens(LLM("tiny", **CPU), PROMPTS[:2], seeded)
+
+
+def test_a_killed_worker_is_noticed_through_shared_memory(shared_memory_channel):
+    with LLM("tiny", tensor_parallel_size=2, distributed_timeout=20, **CPU) as llm:
+        assert tokens(llm, PROMPTS[:1])
+        os.kill(llm.engine.workers.procs[0].pid, signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailed, match="rank 1 exited"):
+            tokens(llm, PROMPTS[:1])
+        assert time.monotonic() - start < 10
+
+
+def test_a_worker_whose_driver_died_stops(tmp_path):
+    """The reader side checks that the driver lives while it waits for a step."""
+    from nanoserve.engine.step_channel import check_alive
+
+    check_alive(os.getpid())  # alive: nothing happens
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(RuntimeError, match="is gone"):
+        check_alive(gone.pid)
