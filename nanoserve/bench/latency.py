@@ -108,8 +108,8 @@ def bench_latency(args) -> dict:
                 times.append(time.perf_counter())
         speeds.append((args.new_tokens - 1) / (times[-1] - times[0]))
     ours = statistics.median(speeds[1:])  # the first run compiles kernels
-    graphs = engine.runner.graphs
-    label = "nanoserve" + (" (CUDA graphs)" if graphs is not None and graphs.capture else " (eager)")
+    captured = engine.runner.graphs is not None and engine.runner.graphs.capture
+    label = "nanoserve" + (" (CUDA graphs)" if captured else " (eager)")
     engine.add_request(prompt, params)
     engine.step()  # the prefill
     breakdown = step_breakdown(engine, min(32, args.new_tokens - 2))
@@ -121,6 +121,9 @@ def bench_latency(args) -> dict:
         engine.step()  # the prefill
         profile_steps(engine)
         engine.abort(next(iter(engine.requests)))
+    # Stop the other ranks now. No reference to the runner's CUDA graphs may outlive this: with
+    # tensor parallelism they hold the NCCL communicator, and leaving the group under them hung.
+    engine.close()
     del engine
     free_gpu()
     rows = [dict(engine=label, tok_s=ours, ms_per_token=1e3 / ours, pct_roofline=100 * ours / roofline,

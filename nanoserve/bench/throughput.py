@@ -68,6 +68,7 @@ def bench_throughput(args) -> dict:
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
                  steps=engine.num_steps - steps0, preemptions=engine.scheduler.num_preemptions)]
     kv_blocks = engine.runner.cache.num_blocks
+    llm.close()  # the other ranks stop now, not at some later garbage collection
     del llm, engine
     free_gpu()
     if args.hf:

@@ -54,6 +54,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
+    all_reduce: str = "auto"  # week 20: "auto" (one-shot over peer-to-peer memory for small messages) or "nccl"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
 
@@ -64,6 +65,8 @@ class EngineConfig:
             self.enable_chunked_prefill = self.batching == "continuous" and 15 not in stubbed_weeks()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+        if self.all_reduce not in ("auto", "nccl"):
+            raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -121,9 +124,13 @@ class EngineConfig:
                             "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
         p.add_argument("--distributed-timeout", type=float, default=300.0,
                        help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
+        p.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
+                       help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
+                            "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
+                            "default: %(default)s)")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
-                            "from the GPU (default: on with CUDA graphs; not with tensor parallelism or speculation)")
+                            "from the GPU (default: on with CUDA graphs; not with speculation)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

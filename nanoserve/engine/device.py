@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,10 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.paged import PagedKVCache
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.step_channel import one_host
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
-from nanoserve.model.tensor_parallel import min_over_ranks, shard_model
+from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
 from nanoserve.runner.runner import ModelRunner
 
 
@@ -41,6 +43,8 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         model = load_model(c.model, dtype=dtype, device=device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
+        if c.all_reduce == "auto" and device.startswith("cuda"):  # week 20
+            group.one_shot = one_shot_all_reduce(group, dtype, device)
     cfg = model.config
     max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     # Week 12: CUDA graphs for decode steps and fused kernels (Triton backend; on by default on
@@ -63,6 +67,25 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         num_blocks = min_over_ranks(group, num_blocks)
     runner = ModelRunner(model, num_blocks, c.block_size, **runner_args)
     return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
+
+
+ONE_SHOT_MAX_BYTES = 512 << 10  # the one-shot all-reduce up to this size, NCCL above (scripts/bench_all_reduce.py)
+
+
+def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllReduce | None:
+    """Week 20: the one-shot all-reduce for this group's small messages, if its ranks share a
+    host (peer-to-peer memory does not cross hosts) and this PyTorch can map the buffers;
+    otherwise None, and NCCL does every sum. Every rank calls this at the same point."""
+    if not one_host(group):
+        return None
+    one_shot = None
+    try:
+        one_shot = OneShotAllReduce(group, dtype, device, ONE_SHOT_MAX_BYTES)
+    except (ImportError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"the one-shot all-reduce is not available ({type(e).__name__}: {e}); NCCL does every sum",
+                      stacklevel=2)
+    # Every rank must take the same path for every message: all one-shot, or none.
+    return one_shot if min_over_ranks(group, int(one_shot is not None)) else None
 
 
 def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict) -> tuple[int, dict | None]:

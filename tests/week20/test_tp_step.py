@@ -88,3 +88,45 @@ def test_a_worker_whose_driver_died_stops(tmp_path):
     gone.wait()
     with pytest.raises(RuntimeError, match="is gone"):
         check_alive(gone.pid)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: run on a 2-GPU machine")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl"])
+def test_tp2_fast_path_on_two_gpus_equals_tp1(all_reduce):
+    """The whole fast path on two GPUs: steps through shared memory, async scheduling, CUDA graphs
+    with (auto) the one-shot all-reduce or (nccl) NCCL's inside them. Float32: equal tokens."""
+    kw = dict(device="cuda", dtype=torch.float32, gpu_memory_utilization=0.3)
+    one = tokens(LLM("tiny", **kw))
+    with LLM("tiny", tensor_parallel_size=2, all_reduce=all_reduce, **kw) as llm:
+        assert llm.engine.async_scheduling and llm.engine.runner.graphs.capture
+        assert isinstance(llm.engine.workers.channel, SharedMemoryChannel)
+        assert (llm.engine.model.group.one_shot is not None) == (all_reduce == "auto")
+        assert tokens(llm) == one
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_bench_latency_with_two_ranks_exits_cleanly(tmp_path):
+    """The benchmark that hung in NCCL's teardown (a reference to the CUDA graphs outlived the
+    engine): it must exit 0, on its own, well inside its time limit, and leave no rank behind."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "nanoserve.cli", "bench", "latency", "--model", "tiny", "-tp", "2", "--runs", "2",
+           "--new-tokens", "16", "--prompt-len", "8", "--no-hf", "--no-baseline", "--out", str(tmp_path)]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`bench latency -tp 2` hung (killed after 240 s); its last output: {str(e.stderr)[-2000:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "leaving the process group took over" not in done.stderr
+    children = [p for p in psutil.process_iter(["cmdline"]) if "nanoserve.engine.distributed" in " ".join(p.info["cmdline"] or [])]
+    assert not children, f"ranks left running: {[p.pid for p in children]}"
+    print(f"bench latency -tp 2 exited in {time.monotonic() - start:.1f} s")
