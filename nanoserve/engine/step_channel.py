@@ -37,6 +37,8 @@ from multiprocessing import shared_memory
 
 import torch.distributed as dist
 
+from nanoserve.course.stubs import stubbed_weeks
+
 HEADER = 64  # bytes: sequence (8), length (8), then unused up to a cache line
 ACK = 64  # each reader's acknowledgement on its own cache line
 SLOT_BYTES = 8 << 20  # a message up to 8 MiB goes through memory; a larger one over gloo
@@ -85,6 +87,8 @@ class SharedMemoryChannel:
         return HEADER + ACK * reader
 
     def send(self, message) -> None:
+        """Driver: put `message` in the slot once every reader has taken the last one."""
+        # >>> week20: channel-send
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._wait(lambda: all(struct.unpack_from("q", self.buf, self._ack(r))[0] == self.sequence
                                for r in range(self.readers)), self.timeout)
@@ -96,8 +100,11 @@ class SharedMemoryChannel:
         struct.pack_into("q", self.buf, 0, self.sequence)  # last: it announces the message
         if not fits:
             self.gloo.send(message)
+        # <<< week20: channel-send
 
     def recv(self):
+        """Worker: wait for the next message, take a copy, acknowledge it, return it."""
+        # >>> week20: channel-recv
         wanted = self.sequence + 1
         self._wait(lambda: struct.unpack_from("q", self.buf, 0)[0] >= wanted)
         length = struct.unpack_from("q", self.buf, 8)[0]
@@ -105,6 +112,7 @@ class SharedMemoryChannel:
         self.sequence = wanted
         struct.pack_into("q", self.buf, self._ack(self.rank - 1), wanted)
         return self.gloo.recv() if data is None else pickle.loads(data)
+        # <<< week20: channel-recv
 
     def _wait(self, ready, timeout: float | None = None) -> None:
         """Wait for `ready()`: spin for 200 µs (the next decode step is usually that close), then
@@ -173,7 +181,9 @@ def open_channel(group, cuda: bool, poll=None, timeout: float | None = None):
     wanted = os.environ.get("NANOSERVE_STEP_CHANNEL", "auto")
     if wanted not in ("auto", "gloo", "shm"):
         raise ValueError(f"NANOSERVE_STEP_CHANNEL={wanted!r}: 'auto', 'gloo' or 'shm'")
-    if wanted == "gloo" or (wanted == "auto" and not cuda) or not one_host(group):
+    # (In a learner's workspace, gloo until week 20's exercises are written.)
+    auto_gloo = not cuda or 20 in stubbed_weeks()
+    if wanted == "gloo" or (wanted == "auto" and auto_gloo) or not one_host(group):
         return GlooChannel(group)
     if group.rank == 0:
         channel = SharedMemoryChannel(group, poll=poll, timeout=timeout)
