@@ -69,7 +69,10 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
 
 
-ONE_SHOT_MAX_BYTES = 512 << 10  # the one-shot all-reduce up to this size, NCCL above (scripts/bench_all_reduce.py)
+# The one-shot all-reduce up to this size, NCCL above: on two H100s (NV18) in CUDA graphs the one-shot
+# path took 8.9 µs at 8 KB (NCCL 11.5), 23.5 at 2 MiB (NCCL 34.9), a tie at 4 MiB, and lost at 8 MiB
+# (scripts/bench_all_reduce.py; docs/benchmarks.md, week 20).
+ONE_SHOT_MAX_BYTES = 2 << 20
 
 
 def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllReduce | None:
