@@ -37,9 +37,10 @@ GB = 1e9  # the planner speaks in decimal gigabytes, as GPU data sheets do
 # 80 GB leaves a little slack.) The H200 has 141 GB at 4.8 TB/s: pass --gpu-memory and --gpu-bandwidth.
 H100_MEMORY = 80 * GB
 H100_BANDWIDTH = 3.35e12  # bytes/s
-# One all-reduce of a batch-1 hidden state (8 KB in bf16 at hidden 4096), measured on two H100s for
-# issue 34 ("parallelism that pays"): NCCL captured in a CUDA graph, 15.9 us; a one-shot all-reduce
-# written for NVLink (each GPU reads its peer's buffer), 10.1 us. nanoserve all-reduces with NCCL.
+# One all-reduce of a batch-1 hidden state (8 KB in bf16 at hidden 4096), measured on two H100s and
+# reported in issue 34 ("parallelism that pays"; not yet in docs/benchmarks.md): NCCL captured in a
+# CUDA graph, 15.9 us; a one-shot all-reduce written for NVLink (each GPU reads its peer's buffer),
+# 10.1 us. nanoserve all-reduces with NCCL. Links differ: docs/parallelism.md says how to measure yours.
 NCCL_ALLREDUCE_S = 15.9e-6
 ONE_SHOT_ALLREDUCE_S = 10.1e-6
 # A pipeline stage's hand-off (one [tokens, hidden] send to the next stage): not measured. The NCCL
