@@ -1,4 +1,4 @@
-"""The `nanoserve` command line: `chat`, `generate`, `compare`, `serve`, `bench`, `run-batch`, `cache` and `course`."""
+"""The `nanoserve` command line: `chat`, `generate`, `compare`, `serve`, `bench`, `plan`, `run-batch`, `cache` and `course`."""
 
 from __future__ import annotations
 
@@ -220,6 +220,50 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if first_divergence(diffs, args.rtol) is None else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from nanoserve.engine.planner import format_plan, plan_command
+
+    print(format_plan(plan_command(args)))
+    return 0
+
+
+def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    """`nanoserve plan`'s options: the model, and the machine it is planned for."""
+    from nanoserve.engine.planner import H100_BANDWIDTH, H100_MEMORY
+
+    plan.add_argument("--model", default="tiny", help=f"{MODEL_NAMES_HELP}, or a config.json file; only its config "
+                      "is read (default: %(default)s)")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="GPUs of one host, joined by NVLink; tensor parallelism stays inside one (default: "
+                           "--gpus, one node)")
+    plan.add_argument("--gpu-memory", type=float, default=H100_MEMORY / 1e9,
+                      help="GB of memory a GPU (default: %(default)g, an H100)")
+    plan.add_argument("--gpu-bandwidth", type=float, default=H100_BANDWIDTH / 1e12,
+                      help="TB/s of memory bandwidth a GPU, for the speed estimate (default: %(default)g, an H100)")
+    plan.add_argument("--max-model-len", type=int, default=None,
+                      help="the longest sequence to leave KV room for (default: the model's context length)")
+    plan.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                      help="the weights' and the KV cache's type (default: %(default)s)")
+
+
+def add_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """`--parallel auto` of serve and bench: the planner's sizes in place of -tp and -dp."""
+    parser.add_argument("--parallel", choices=["manual", "auto"], default="manual",
+                        help="auto: choose --tensor-parallel-size and --data-parallel-size (and pipeline "
+                             "parallelism, where this nanoserve has it) for the GPUs this process sees, as "
+                             "`nanoserve plan` does, and print the plan; manual: take them from those options "
+                             "(default: %(default)s)")
+
+
+def apply_parallel_auto(args: argparse.Namespace) -> None:
+    """`--parallel auto`: plan for the GPUs here and set the sizes on args, before any engine is built."""
+    from nanoserve.engine.planner import auto_parallel, detect_machine, format_plan
+
+    plan = auto_parallel(args, detect_machine(args.gpu_memory_utilization))
+    print(format_plan(plan), file=sys.stderr)
+
+
 def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     """`nanoserve serve`'s own options (the engine's come from `EngineConfig.add_arguments`)."""
     from nanoserve.server.app import port_number
@@ -309,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     _add_serve_arguments(srv)
+    add_parallel_argument(srv)
     EngineConfig.add_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -317,7 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoserve.bench.cli import run as run_bench
 
     add_arguments(bench)
+    add_parallel_argument(bench)
     bench.set_defaults(func=run_bench)
+
+    plan = sub.add_parser("plan", help="choose tensor-, pipeline- and data-parallel sizes for a model on a machine, "
+                                       "from its config alone, and say why")
+    _add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     batch = sub.add_parser("run-batch", help="offline inference from a batch file (OpenAI batch JSONL, prompts in "
                                              "JSONL, CSV or Parquet); resumable")
@@ -363,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # what --data-parallel-size hands on to its replicas
     try:
+        if getattr(args, "parallel", "manual") == "auto":  # before torchrun's ranks read the sizes
+            apply_parallel_auto(args)
         if worker_rank_under_torchrun(args):
             return 0
         return args.func(args)
