@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.course.stubs import stubbed_weeks
+from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +55,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
+    ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
 
@@ -64,6 +66,10 @@ class EngineConfig:
             self.enable_chunked_prefill = self.batching == "continuous" and 15 not in stubbed_weeks()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
+        if self.ray_placement != "pack" and self.distributed_executor != "ray":
+            raise ValueError(f"--ray-placement {self.ray_placement} places Ray actors: it needs --distributed-executor ray")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -121,6 +127,10 @@ class EngineConfig:
                             "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
         p.add_argument("--distributed-timeout", type=float, default=300.0,
                        help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
+        p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
+                       help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
+                            "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
+                            "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with tensor parallelism or speculation)")
