@@ -46,8 +46,8 @@ class PlacementFailed(ValueError):
 
 
 def connect(pythonpath: str) -> bool:
-    """Join the cluster that RAY_ADDRESS names (or start a local one), unless this process already
-    has. Every actor gets `pythonpath` first on its path, so it runs the driver's nanoserve.
+    """Join the cluster that RAY_ADDRESS names (else the one `ray start` last started on this
+    machine, else start a local one), unless this process already has. Every actor gets `pythonpath` first on its path, so it runs the driver's nanoserve.
     Returns True if this call connected (so the caller disconnects when it is done)."""
     try:
         import ray
@@ -57,8 +57,7 @@ def connect(pythonpath: str) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS")
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        ray.init(address=address, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     except ConnectionError as e:
         raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({e}): start it with `ray start "
                          "--head` on the head node, or unset RAY_ADDRESS for a local one") from None
@@ -128,7 +127,8 @@ def place_ranks(size: int, cuda: bool, placement: str, driver_node: str, timeout
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     why = shortfall(bundles, PLACEMENTS[placement], ray.available_resources(), nodes, driver_node)
     raise PlacementFailed(f"the Ray cluster found no room for {size} tensor-parallel ranks ({placement}, "
-                          f"{bundles[0]} each) within {timeout:g} s: {why}")
+                          f"{bundles[0]} each) within {timeout:g} s: {why}. Add nodes (`ray start --address HEAD:PORT` "
+                          "on another host), or ask for fewer ranks, or another --ray-placement")
 
 
 def rank_actor_class():
