@@ -113,11 +113,13 @@ class TwoNodes:
 
     def __init__(self):
         self.tmp = Path(tempfile.mkdtemp(prefix="nsray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-        first = free_ports(64)
-        self.gcs_port = first + 6  # the head's --port (see node_ports)
+        self.first = free_ports(64)
+        self.gcs_port = self.first + 6  # the head's --port (see node_ports)
         self.procs, self.seen = [], set()
-        self.start("node_a", first, head=True)
-        self.start("node_b", first + 32, head=False)
+
+    def start_both(self) -> None:
+        self.start("node_a", self.first, head=True)
+        self.start("node_b", self.first + 32, head=False)
 
     def start(self, name: str, first: int, head: bool) -> None:
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "2",
@@ -125,11 +127,12 @@ class TwoNodes:
                "--object-store-memory", str(80 * 2**20), "--disable-usage-stats", *node_ports(first, head)]
         if not head:
             cmd += ["--address", f"127.0.0.1:{self.gcs_port}"]
-        log = open(self.tmp / f"{name}.log", "w")
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | RAY_ENV))
+        with open(self.tmp / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | RAY_ENV))
 
     def processes(self) -> list:
-        """The nodes' processes now (the `ray start` processes and all they started), remembered."""
+        """The nodes' processes now, remembered: the `ray start` processes and all they started, and
+        any other whose command line names this cluster's temp dir (one orphaned on the way)."""
         import psutil
 
         found = []
@@ -137,6 +140,10 @@ class TwoNodes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 top = psutil.Process(p.pid)
                 found += [top] + top.children(recursive=True)
+        pids = {p.pid for p in found}
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid not in pids and any(str(self.tmp) in a for a in p.info["cmdline"] or []):
+                found.append(p)
         self.seen |= {(p.pid, p.create_time()) for p in found}
         return found
 
@@ -174,6 +181,7 @@ def nodes():
         pytest.skip("needs ray and psutil (pip install ray psutil)")
     cluster = TwoNodes()
     try:
+        cluster.start_both()
         yield cluster
     finally:
         left = cluster.stop()
@@ -191,6 +199,7 @@ def run_driver(nodes: TwoNodes, task: str, timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         stages = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"the driver hung after {timeout:.0f} s; its stages so far:\n{stages}\n{nodes.log_tail()}")
+    nodes.processes()  # the actors' processes among them, while their parents still stand
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines, f"{out.stdout}\n{out.stderr[-3000:]}\n{nodes.log_tail()}"
     return json.loads(lines[-1])
@@ -263,12 +272,14 @@ def one_run(placement: str, tp: int = 2, timeout: float = 60.0) -> dict:
     from nanoserve.engine.engine import LLM
     from nanoserve.sampling.params import SamplingParams
 
+    stage(f"{placement}: starting the engine")
     llm = LLM("tiny", device="cpu", dtype=torch.float32, tensor_parallel_size=tp, distributed_executor="ray",
               ray_placement=placement, distributed_timeout=timeout)
     cluster = llm.engine.workers.cluster
-    stage(f"{placement}: engine up")
+    stage(f"{placement}: engine up, generating")
     tokens = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
     ranks, group = list(cluster.nodes), cluster.group
+    stage(f"{placement}: closing")
     start = time.monotonic()
     llm.close()
     close_s = time.monotonic() - start
