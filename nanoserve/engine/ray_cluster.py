@@ -47,8 +47,9 @@ class PlacementFailed(ValueError):
 
 def connect(pythonpath: str) -> bool:
     """Join the cluster that RAY_ADDRESS names (else the one `ray start` last started on this
-    machine, else start a local one), unless this process already has. Every actor gets `pythonpath` first on its path, so it runs the driver's nanoserve.
-    Returns True if this call connected (so the caller disconnects when it is done)."""
+    machine, else start a local one), unless this process already has. Every actor gets
+    `pythonpath` first on its path, so that it runs the driver's nanoserve. Returns True if this
+    call connected (so the caller disconnects when it is done)."""
     try:
         import ray
     except ImportError:
@@ -147,6 +148,19 @@ def rank_actor_class():
     return RankActor
 
 
+def started(actors: list, timeout: float) -> list[tuple[str, list[str]]]:
+    """Each actor's `where()`, once all have started; an actor that has not within `timeout`
+    seconds (its node busy, or its runtime environment still being set up) is an error that says
+    where to look, not Ray's bare "Get timed out"."""
+    import ray
+
+    try:
+        return ray.get([a.where.remote() for a in actors], timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the Ray actors of the tensor-parallel ranks did not start within {timeout:g} s: see "
+                           "`ray status`, and the logs of their nodes (/tmp/ray/session_latest/logs)") from None
+
+
 class RayRanks:
     """The driver's hold on a Ray cluster for one engine: its connection, the placement group of
     its ranks, the seat on rank 0's bundle, and the worker actors. `nodes[r]`: rank r's node id."""
@@ -161,7 +175,7 @@ class RayRanks:
             self.driver_node = ray.get_runtime_context().get_node_id()
             self.group = place_ranks(size, cuda, placement, self.driver_node, timeout)
             self.seat = self.actor_in_bundle(0)
-            node, gpus = ray.get(self.seat.where.remote(), timeout=timeout)
+            [(node, gpus)] = started([self.seat], timeout)
             self.nodes = [node]
             self.driver_device = driver_cuda_device(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if cuda else "cpu"
             # The address the other ranks reach the driver at: its node's IP, never 127.0.0.1.
@@ -180,13 +194,11 @@ class RayRanks:
     def start(self, fn, args_of_rank) -> tuple[list, list]:
         """Start ranks 1..size-1, each running `fn(*args_of_rank(rank))` in its own bundle. Returns
         (the actors, the references of their runs: one resolves when its rank stops)."""
-        import ray
-
         try:
             self.actors = [self.actor_in_bundle(rank) for rank in range(1, self.size)]
             # Each actor first says where it runs: proof that it started (a runtime environment that
             # fails on a node shows here, not as a rendezvous that waits for the whole timeout).
-            self.nodes += [node for node, _ in ray.get([a.where.remote() for a in self.actors], timeout=self.timeout)]
+            self.nodes += [node for node, _ in started(self.actors, self.timeout)]
             self.refs = [a.run.remote(fn, *args_of_rank(rank)) for rank, a in enumerate(self.actors, start=1)]
         except BaseException:
             self.close()
