@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.course.stubs import stubbed_weeks
+from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +56,7 @@ class EngineConfig:
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
     all_reduce: str = "auto"  # week 20: "auto" (one-shot over peer-to-peer memory for small messages) or "nccl"
+    ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
 
@@ -67,6 +69,10 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
+        if self.ray_placement != "pack" and self.distributed_executor != "ray":
+            raise ValueError(f"--ray-placement {self.ray_placement} places Ray actors: it needs --distributed-executor ray")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -128,6 +134,10 @@ class EngineConfig:
                        help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
                             "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
                             "default: %(default)s)")
+        p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
+                       help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
+                            "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
+                            "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")

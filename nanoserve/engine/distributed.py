@@ -54,6 +54,7 @@ import torch.distributed as dist
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.device import build_device_side
 from nanoserve.engine.step_channel import open_channel
+from nanoserve.engine.ray_cluster import RayRanks
 from nanoserve.model.tensor_parallel import Group
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -194,14 +195,11 @@ class Workers:
         self.channel = None  # how steps reach the workers (`open_channel`), once the group is joined
         self.failed: str | None = None  # why the group broke, once it has
         self.closed = False
-        host = "127.0.0.1"
-        if executor == "ray":
-            import ray
-
-            if not ray.is_initialized():  # join RAY_ADDRESS's cluster, or start a local one
-                ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": _same_package_env()["PYTHONPATH"]}})
-            host = ray.util.get_node_ip_address()
+        host, self.driver_device = "127.0.0.1", rank_device(config.device, 0)
+        if executor == "ray":  # week 20: a placement group on RAY_ADDRESS's cluster (nanoserve/engine/ray_cluster.py)
+            cuda = config.device.startswith("cuda")
+            self.cluster = RayRanks(size, cuda, config.ray_placement, timeout, _same_package_env()["PYTHONPATH"])
+            host, self.driver_device = self.cluster.host, self.cluster.driver_device
         self.init_method = f"tcp://{host}:{free_port()}"
         if executor == "mp":
             # Plain child processes running `python -m nanoserve.engine.distributed`: a fresh interpreter
@@ -216,11 +214,9 @@ class Workers:
                 self.procs.append(p)
         elif executor == "ray":
             # Ray gives each actor its own GPU and shows it that GPU only (as cuda:0).
-            cuda = config.device.startswith("cuda")
-            actor = _ray_worker_class()
-            self.procs = [actor.options(num_gpus=int(cuda)).remote() for _ in range(1, size)]
-            self.refs = [a.run.remote(config, rank, size, self.init_method, timeout, "cuda:0" if cuda else "cpu")
-                         for rank, a in enumerate(self.procs, start=1)]
+            device = "cuda:0" if cuda else "cpu"
+            self.procs, self.refs = self.cluster.start(
+                worker_main, lambda rank: (config, rank, size, self.init_method, timeout, device))
         else:
             raise ValueError(f"unknown distributed executor {executor!r}: 'mp' (processes) or 'ray'")
 
@@ -302,11 +298,8 @@ class Workers:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        else:
-            import ray
-
-            for a in self.procs:
-                ray.kill(a)
+        else:  # the actors end, and the placement group is removed, within ray_cluster.CLOSE_TIMEOUT
+            self.cluster.close()
 
 
 def _same_package_env() -> dict[str, str]:
@@ -318,17 +311,6 @@ def _same_package_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
-
-
-def _ray_worker_class():
-    import ray
-
-    @ray.remote
-    class RayWorker:  # a Ray actor that is one worker rank
-        def run(self, config, rank, size, init_method, timeout, device):
-            worker_main(config, rank, size, init_method, timeout, device)
-
-    return RayWorker
 
 
 if __name__ == "__main__":  # a worker rank started by `Workers` (executor "mp"): its arguments come pickled on stdin
@@ -362,7 +344,7 @@ def start_tensor_parallel(c: EngineConfig):
         return group, workers
     workers = Workers(c, c.tensor_parallel_size, c.distributed_executor, c.distributed_timeout)
     try:
-        workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, rank_device(c.device, 0),
+        workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, workers.driver_device,
                                    c.distributed_timeout)
         workers.open_channel(c.device.startswith("cuda"))
     except BaseException:

@@ -62,7 +62,8 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
                          "--max-num-seqs", "12", "--max-model-len", "300", "--dtype", "float32",
                          "--batching", "static", "--no-preemption", "--no-cuda-graphs", "--no-fused-kernels",
                          "--enable-prefix-caching", "--enable-chunked-prefill", "--scheduling-policy", "priority",
-                         "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu"])
+                         "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu",
+                         "--distributed-executor", "ray", "--ray-placement", "spread"])
     served = build_parser().parse_args(["serve", "--model", args.model] + engine_options(args))
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
 
