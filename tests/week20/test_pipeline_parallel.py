@@ -155,6 +155,32 @@ def test_micro_batches_put_the_step_back_together():
         assert p.step.query_start_loc[0] == 0 and p.step.query_start_loc[-1] == len(p.step.input_ids)
 
 
+@pytest.mark.parametrize("coalesced", [True, False])
+def test_every_transfer_of_a_boundary_gets_a_handle(coalesced, monkeypatch):
+    """NCCL posts a boundary's transfers as one group and hands back one handle for them all (it
+    ends when they all have); gloo hands back one per transfer. Either way every receive has a
+    handle to wait on, and every send is kept until the end of the step."""
+    from types import SimpleNamespace
+
+    from nanoserve.runner import pipeline
+
+    class Work:
+        waited = 0
+
+        def wait(self):
+            Work.waited += 1
+
+    handles = (lambda ops: [Work()]) if coalesced else (lambda ops: [Work() for _ in ops])
+    monkeypatch.setattr(pipeline.dist, "P2POp", lambda op, tensor, peer: SimpleNamespace(op=op, tensor=tensor, peer=peer))
+    monkeypatch.setattr(pipeline.dist, "batch_isend_irecv", handles)
+    boundary = pipeline.Boundary()
+    boundary.send(torch.ones(2, 3), 1)
+    first, second = boundary.receive((2, 3), torch.zeros(1), 1), boundary.receive((4, 3), torch.zeros(1), 2)
+    sends = boundary.post()
+    assert len(sends) == 1 and torch.equal(sends[0][1], torch.ones(2, 3))
+    assert first.get().shape == (2, 3) and second.get().shape == (4, 3) and Work.waited == 2
+
+
 # ------------------------------------------------------------------ stages in one process
 
 
@@ -341,7 +367,10 @@ def test_pp2_on_two_gpus_equals_one_gpu():
     expected = tokens(LLM("tiny", cuda_graphs=False, **kw), prompts)
     with LLM("tiny", pipeline_parallel_size=2, **kw) as llm:
         assert tokens(llm, prompts) == expected
-        assert llm.engine.pipeline_stats()["steps"] == llm.engine.num_steps
+        stats = llm.engine.pipeline_stats()
+        assert stats["steps"] == llm.engine.num_steps and all(0 < b <= stats["wall_s"] for b in stats["busy_s"])
+        pids = [p.pid for p in llm.engine.workers.procs]
+    assert gone_within(pids)
 
 
 @pytest.mark.gpu
