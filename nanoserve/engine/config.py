@@ -53,12 +53,20 @@ class EngineConfig:
     fused_kernels: bool | None = None  # week 12's fused kernels in every step; default: on with CUDA and Triton
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
+    pipeline_parallel_size: int = 1  # week 20: stages the model's layers are cut into (world: tensor × pipeline)
+    pipeline_micro_batches: int | None = None  # week 20: micro-batches per step through the stages; default:
+    # pipeline_parallel_size (why: nanoserve/runner/pipeline.py)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
     all_reduce: str = "auto"  # week 20: "auto" (one-shot over peer-to-peer memory for small messages) or "nccl"
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+
+    @property
+    def world_size(self) -> int:
+        """The processes of one engine (week 20): each stage of the pipeline is a tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.enable_chunked_prefill is None:
@@ -125,6 +133,12 @@ class EngineConfig:
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
                             "default: %(default)s)")
+        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="cut the model's layers into this many stages, one process (or --tensor-parallel-size "
+                            "processes) each (week 20; default: %(default)s)")
+        p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                       help="micro-batches each step is cut into for the stages (week 20; default: "
+                            "--pipeline-parallel-size)")
         p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
                        help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
                             "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")

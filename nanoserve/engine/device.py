@@ -12,10 +12,12 @@ from nanoserve.attention.backend import select_backend
 from nanoserve.attention.paged import PagedKVCache
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.pipeline import build_stage_model
 from nanoserve.engine.step_channel import one_host
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
+from nanoserve.runner.pipeline import PipelineRunner
 from nanoserve.runner.runner import ModelRunner
 
 
@@ -39,7 +41,10 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     device = c.device
     attention_backend = select_backend(device, c.attention_backend)
     dtype = c.dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    if group is None:
+    pipeline = c.pipeline_parallel_size > 1  # week 20: this rank holds one stage of the model
+    if pipeline:
+        model = build_stage_model(c, group, dtype, device)
+    elif group is None:
         model = load_model(c.model, dtype=dtype, device=device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
@@ -52,20 +57,24 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
     # anything: that is how the CPU tests check them.
     week12 = device.startswith("cuda") and 12 not in stubbed_weeks()
-    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12) and attention_backend == "triton"
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12 and not pipeline) \
+        and attention_backend == "triton"
     runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
                        max_model_len=max_model_len, max_batch=c.max_num_seqs,
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
                        fused_kernels=c.fused_kernels if c.fused_kernels is not None else week12)
+    runner_class = PipelineRunner if pipeline else ModelRunner
+    if pipeline:
+        runner_args.update(micro_batches=c.pipeline_micro_batches, cpu_group=group.cpu_group)
     kv_sizing = None
     num_blocks = c.num_blocks
     if num_blocks is None:
-        num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args)
-    if group is not None:  # the block tables must fit on every rank
+        num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args, runner_class)
+    if group is not None:  # the block tables must fit on every rank (of every stage)
         num_blocks = min_over_ranks(group, num_blocks)
-    runner = ModelRunner(model, num_blocks, c.block_size, **runner_args)
+    runner = runner_class(model, num_blocks, c.block_size, **runner_args)
     return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
 
 
@@ -91,7 +100,8 @@ def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllRed
     return one_shot if min_over_ranks(group, int(one_shot is not None)) else None
 
 
-def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict) -> tuple[int, dict | None]:
+def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict,
+                   runner_class: type[ModelRunner] = ModelRunner) -> tuple[int, dict | None]:
     """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what is
     left of `gpu_memory_utilization` of its memory once the weights and the measured peak of the
     largest step (and the CUDA graphs) are accounted for. Also returns those measured figures."""
@@ -102,7 +112,7 @@ def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_arg
     if not c.device.startswith("cuda"):
         return max(1, 256 * 2**20 // per_block), None
     gc.collect()  # an engine nobody references any more may still hold its pool, through a reference cycle
-    step_bytes = ModelRunner.measure_step_memory(model, c.block_size, c.max_num_batched_tokens, **runner_args)
+    step_bytes = runner_class.measure_step_memory(model, c.block_size, c.max_num_batched_tokens, **runner_args)
     free, total = torch.cuda.mem_get_info()
     budget = int(total * c.gpu_memory_utilization) - (total - free) - step_bytes
     if budget < per_block:

@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.device import build_device_side
-from nanoserve.engine.step_channel import open_channel
+from nanoserve.engine.pipeline import rank_name
 from nanoserve.engine.ray_cluster import RayRanks
+from nanoserve.engine.step_channel import open_channel
 from nanoserve.model.tensor_parallel import Group
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -189,6 +190,7 @@ class Workers:
     def __init__(self, config, size: int, executor: str = "mp", timeout: float = DEFAULT_TIMEOUT):
         """Start ranks 1..size-1 of the engine `config` describes (its `device`: "cuda" or "cpu")."""
         self.size, self.executor, self.timeout = size, executor, timeout
+        self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size  # week 20: for rank_name
         self.procs: list = []
         self.refs: list = []
         self.group: Group | None = None
@@ -226,6 +228,7 @@ class Workers:
         to broadcast, and the same None to send at the end."""
         workers = cls.__new__(cls)
         workers.size, workers.executor, workers.timeout = group.size, "torchrun", timeout
+        workers.tp, workers.pp = group.size, 1  # (names in failures only: torchrun watches its own ranks)
         workers.procs, workers.refs, workers.group, workers.failed, workers.closed = [], [], group, None, False
         workers.channel = None
         return workers
@@ -239,7 +242,7 @@ class Workers:
         if self.executor in ("mp", "torchrun"):  # (torchrun watches its own: no processes here)
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
-                    raise WorkerFailed(f"tensor-parallel rank {rank} exited (exit code {p.returncode}); the engine "
+                    raise WorkerFailed(f"{rank_name(rank, self.tp, self.pp)} exited (exit code {p.returncode}); the engine "
                                        "cannot run without it: restart it")
         else:
             import ray
@@ -252,7 +255,7 @@ class Workers:
                     reason = "returned early"
                 except Exception as e:  # noqa: BLE001 - what Ray reports is the message
                     reason = f"failed: {type(e).__name__}: {e}"
-                raise WorkerFailed(f"tensor-parallel rank {rank} (a Ray actor) {reason}; restart the server")
+                raise WorkerFailed(f"{rank_name(rank, self.tp, self.pp)} (a Ray actor) {reason}; restart the server")
 
     def run_step(self, run, step, prompt_rows, last_tokens=None):
         """Send one step's description to the workers, then run it here too (`run` is the
@@ -322,7 +325,7 @@ if __name__ == "__main__":  # a worker rank started by `Workers` (executor "mp")
 
 def start_tensor_parallel(c: EngineConfig):
     """Week 18: start ranks 1..N-1 (or, under torchrun, find them) and join them as rank 0.
-    Returns (rank 0's Group, the Workers handle)."""
+    Returns (rank 0's Group, the Workers handle). (Week 20: N is tensor × pipeline parallel size.)"""
     from nanoserve.engine.distributed import (
         Workers,
         init_group,
@@ -334,17 +337,18 @@ def start_tensor_parallel(c: EngineConfig):
         raise ValueError("speculative decoding is not combined with tensor parallelism yet: use one of them")
     if torchrun_rank() is not None:
         rank, size = torchrun_rank()
-        if rank != 0 or size != c.tensor_parallel_size:
-            raise ValueError(f"under torchrun the engine is built on rank 0 with --tensor-parallel-size equal to "
-                             f"WORLD_SIZE ({size}); the other ranks run nanoserve.engine.distributed.worker_main")
+        if rank != 0 or size != c.world_size:
+            raise ValueError(f"under torchrun the engine is built on rank 0 with --tensor-parallel-size (times "
+                             f"--pipeline-parallel-size) equal to WORLD_SIZE ({size}); the other ranks run "
+                             "nanoserve.engine.distributed.worker_main")
         init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         group = init_group(0, size, init, rank_device(c.device, 0), c.distributed_timeout)
         workers = Workers.started_elsewhere(group, c.distributed_timeout)
         workers.open_channel(c.device.startswith("cuda"))
         return group, workers
-    workers = Workers(c, c.tensor_parallel_size, c.distributed_executor, c.distributed_timeout)
+    workers = Workers(c, c.world_size, c.distributed_executor, c.distributed_timeout)
     try:
-        workers.group = init_group(0, c.tensor_parallel_size, workers.init_method, workers.driver_device,
+        workers.group = init_group(0, c.world_size, workers.init_method, workers.driver_device,
                                    c.distributed_timeout)
         workers.open_channel(c.device.startswith("cuda"))
     except BaseException:

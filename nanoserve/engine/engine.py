@@ -29,6 +29,7 @@ from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
+from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
@@ -75,10 +76,11 @@ class Engine:
         # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks
         # build the same device side (`build_device_side`) and run the steps it broadcasts.
         self.workers, group = None, None
-        if c.tensor_parallel_size == 1 and c.distributed_executor != "mp":
+        if c.world_size == 1 and c.distributed_executor != "mp":
             raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
-                             "parallel engine: it needs tensor_parallel_size > 1")
-        if c.tensor_parallel_size > 1:
+                             "parallel engine: it needs tensor_parallel_size > 1 (or pipeline_parallel_size > 1)")
+        check_pipeline_config(c, model_dir)  # week 20: what stages refuse, said before any process starts
+        if c.world_size > 1:
             group, self.workers = start_tensor_parallel(c)
         try:
             side = build_device_side(c, group)
@@ -137,7 +139,8 @@ class Engine:
         (its guesses are built from the tokens on the host). With tensor parallelism (week 20) the
         workers get the sampled tokens from the driver's GPU (`Workers.run_step`)."""
         c = self.config
-        conflicts = ["speculative decoding"] if self.speculator is not None else []
+        conflicts = [name for name, on in (("pipeline parallelism", c.pipeline_parallel_size > 1),
+                                           ("speculative decoding", self.speculator is not None)) if on]
         if c.async_scheduling is not None:
             if c.async_scheduling and conflicts:
                 raise ValueError(f"async scheduling does not work with {' or '.join(conflicts)}")
@@ -229,6 +232,11 @@ class Engine:
         s = self.speculator.stats
         return dict(proposed=s.num_proposed, accepted=s.num_accepted, emitted=s.num_emitted, steps=s.num_steps,
                     acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step)
+
+    def pipeline_stats(self) -> dict | None:
+        """Week 20's bubble, measured: each stage's busy and idle share of the steps since the engine
+        started (`PipelineRunner.bubble_stats`), or None with one stage."""
+        return self.runner.bubble_stats() if self.config.pipeline_parallel_size > 1 else None
 
     def prefix_cache_stats(self) -> dict | None:
         """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when

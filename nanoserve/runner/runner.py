@@ -81,14 +81,18 @@ class ModelRunner:
         step = StepInput(input_ids=[0] * tokens, positions=list(range(tokens)), slot_mapping=list(range(tokens)),
                          query_start_loc=[0, tokens], context_lens=[tokens], block_tables=[list(range(num_blocks))],
                          table_ids=[(-1, 0)], sample_rows=list(range(tokens - rows, tokens)))
-        input_ids, positions, ctx = runner.prepare(step)
-        hidden = model(input_ids, positions, ctx)
-        model.compute_logits(hidden[torch.tensor(step.sample_rows, device=runner.device)])
+        runner.measure_forward(step)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_reserved() - before - pool
-        del runner, ctx, hidden
+        del runner
         torch.cuda.empty_cache()
         return peak
+
+    def measure_forward(self, step: StepInput) -> None:
+        """The forward pass `measure_step_memory` measures (week 20: a pipeline stage runs its share)."""
+        input_ids, positions, ctx = self.prepare(step)
+        hidden = self.model(input_ids, positions, ctx)
+        self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
 
     def step_input(self, batch: Batch) -> StepInput:
         """The scheduler's batch -> the step as plain lists."""

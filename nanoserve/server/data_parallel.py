@@ -274,7 +274,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     from nanoserve.engine.tokenizer import Tokenizer
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
-    n, tp = args.data_parallel_size, args.tensor_parallel_size
+    n, tp = args.data_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size  # GPUs per replica
     cuda = (args.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
     procs, urls = [], []
     # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills
@@ -356,7 +356,7 @@ def generate_data_parallel(config, prompts: list, params: list, size: int) -> tu
     for i in range(size):
         env = dict(os.environ)
         if cuda:
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices(i, config.tensor_parallel_size)
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(i, config.world_size)
         p = subprocess.Popen([sys.executable, "-m", "nanoserve.server.data_parallel"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
         pickle.dump((config, prompts[i::size], params[i::size]), p.stdin)
