@@ -242,6 +242,7 @@ def make_plan(cfg: ModelConfig, machine: Machine, dtype: str = "bf16", max_model
         raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"--max-model-len must be at least 1 (got {max_model_len})")
+    # >>> week20: make-plan
     length = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)  # as the engine clamps
     reasons = [f"memory: weights / (TP x PP) + {ACTIVATION_RESERVE / GB:.2f} GB reserve + KV for {MIN_SEQUENCES} "
                f"x {length} tokens must fit in {machine.utilization:g} x {machine.gpu_memory / GB:g} GB "
@@ -265,6 +266,7 @@ def make_plan(cfg: ModelConfig, machine: Machine, dtype: str = "bf16", max_model
         return Plan(model, cfg, machine, dtype, length, count_parameters(cfg), split,
                     machine.gpus // split.degree, tuple(reasons))
     raise ValueError(no_fit_message(cfg, machine, dtype, length))
+    # <<< week20: make-plan
 
 
 def chosen_reasons(split: Split, machine: Machine) -> list[str]:

@@ -105,6 +105,7 @@ def cut_stage(model: Llama, stage: Stage) -> Llama:
     """Turn a whole loaded `Llama` into `stage`'s part of it, in place: its layers only, renumbered
     from 0 for its own KV cache, `model.config` the local view (num_layers, and week 19's per-layer
     kinds), and the vocabulary tables kept on stage 0 only. Returns the model (`model.stage` set)."""
+    # >>> week20: cut-stage
     cfg = model.config
     check_pipelinable(cfg, stage.num_stages)
     model.layers = nn.ModuleList(list(model.layers)[stage.first_layer : stage.last_layer])
@@ -121,6 +122,7 @@ def cut_stage(model: Llama, stage: Stage) -> Llama:
     model.config = dataclasses.replace(cfg, num_layers=stage.last_layer - stage.first_layer, layer_types=kinds)
     model.stage = stage
     return model
+    # <<< week20: cut-stage
 
 
 def stage_forward(model: Llama, inputs: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

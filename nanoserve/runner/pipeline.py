@@ -60,8 +60,10 @@ TIMING_TAG = 7  # the tag of each stage's busy time on its way to the driver (ne
 def pipeline_schedule(num_stages: int, num_micro: int) -> list[list[tuple[int, int]]]:
     """Time slot t -> the (stage, micro-batch) pairs that run in it: stage s runs micro-batch t - s.
     M + P - 1 slots."""
+    # >>> week20: pipeline-schedule
     return [[(s, t - s) for s in range(num_stages) if 0 <= t - s < num_micro]
             for t in range(num_micro + num_stages - 1)]
+    # <<< week20: pipeline-schedule
 
 
 def bubble_fraction(num_stages: int, num_micro: int) -> float:

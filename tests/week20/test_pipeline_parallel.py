@@ -78,6 +78,7 @@ def gone_within(pids, seconds=10.0) -> bool:
 # ------------------------------------------------------------------------------- the schedule
 
 
+@pytest.mark.exercise("pipeline-schedule")
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_micro", [1, 2, 3, 5, 8])
 def test_the_schedule_moves_every_micro_batch_through_every_stage_in_order(num_stages, num_micro):
@@ -202,6 +203,7 @@ def windowed_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.exercise("cut-stage")
 @pytest.mark.parametrize("model,num_stages", [("tiny", 2), ("tiny", 3), ("windowed", 2)])
 @torch.no_grad()
 def test_a_chain_of_stages_is_the_whole_model_bit_for_bit(model, num_stages, windowed_dir):

@@ -104,6 +104,7 @@ def test_kv_bytes_per_token_shrink_with_tp_until_each_rank_has_one_kv_head():
 # ---------------------------------------------------------------------------- plans
 
 
+@pytest.mark.exercise("make-plan")
 def test_1b_on_one_gpu_is_not_split():
     plan = make_plan(config(LLAMA_1B), Machine(gpus=1, gpus_per_node=1))
     assert (plan.tp, plan.pp, plan.dp) == (1, 1, 1)
@@ -111,11 +112,13 @@ def test_1b_on_one_gpu_is_not_split():
     assert plan.split.need == pytest.approx(need_per_gpu(LLAMA_1B, 1, 1, 131072))
 
 
+@pytest.mark.exercise("make-plan")
 def test_1b_on_eight_gpus_is_eight_replicas():
     plan = make_plan(config(LLAMA_1B), Machine(gpus=8, gpus_per_node=8))
     assert (plan.tp, plan.pp, plan.dp) == (1, 1, 8)
 
 
+@pytest.mark.exercise("make-plan")
 def test_70b_on_one_node_of_eight_takes_the_smallest_tp_that_fits():
     machine = Machine(gpus=8, gpus_per_node=8)
     plan = make_plan(config(LLAMA_70B), machine)
@@ -128,6 +131,7 @@ def test_70b_on_one_node_of_eight_takes_the_smallest_tp_that_fits():
     assert (short.tp, short.pp, short.dp) == (4, 1, 2)
 
 
+@pytest.mark.exercise("make-plan")
 def test_70b_on_two_nodes_of_four_pipelines_across_them():
     machine = Machine(gpus=8, gpus_per_node=4)
     plan = make_plan(config(LLAMA_70B), machine)
@@ -136,6 +140,7 @@ def test_70b_on_two_nodes_of_four_pipelines_across_them():
     assert not any(r.startswith("TP 8") for r in plan.reasons), "TP never leaves a node"
 
 
+@pytest.mark.exercise("make-plan")
 def test_a_model_that_fits_nowhere_says_what_it_needs():
     machine = Machine(gpus=2, gpus_per_node=2)
     with pytest.raises(ValueError) as e:
@@ -148,6 +153,7 @@ def test_a_model_that_fits_nowhere_says_what_it_needs():
     assert f"{need_per_gpu(LLAMA_70B, 2, 1, 131072) / GB:.2f} GB a GPU" in message
 
 
+@pytest.mark.exercise("make-plan")
 def test_families_that_refuse_tp_get_pipeline_stages():
     """Week 18's sharding is written for Llama: Gemma 3 (27B shape) gets PP, never TP."""
     machine = Machine(gpus=4, gpus_per_node=4, gpu_memory=40 * GB)
@@ -159,6 +165,7 @@ def test_families_that_refuse_tp_get_pipeline_stages():
     assert len(refusals) == len({r.split(":")[0] for r in refusals}), "each TP size refused once"
 
 
+@pytest.mark.exercise("make-plan")
 def test_a_family_that_refuses_tp_and_fits_no_pipeline_is_an_error():
     qwen = GEMMA3_27B | dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936)
     with pytest.raises(ValueError, match="does not fit on 1 GPU of 40 GB: split the most this machine allows "
@@ -166,6 +173,7 @@ def test_a_family_that_refuses_tp_and_fits_no_pipeline_is_an_error():
         make_plan(config(qwen), Machine(gpus=1, gpus_per_node=1, gpu_memory=40 * GB), max_model_len=4096)
 
 
+@pytest.mark.exercise("make-plan")
 def test_the_roofline_and_the_bubble():
     plan = make_plan(config(LLAMA_70B), Machine(gpus=8, gpus_per_node=4))  # TP 4 x PP 2
     read, talk, send = decode_step_seconds(plan)
