@@ -37,12 +37,14 @@ GB = 1e9  # the planner speaks in decimal gigabytes, as GPU data sheets do
 # 80 GB leaves a little slack.) The H200 has 141 GB at 4.8 TB/s: pass --gpu-memory and --gpu-bandwidth.
 H100_MEMORY = 80 * GB
 H100_BANDWIDTH = 3.35e12  # bytes/s
-# One all-reduce of a batch-1 hidden state (8 KB in bf16 at hidden 4096), measured on two H100s and
-# reported in issue 34 ("parallelism that pays"; not yet in docs/benchmarks.md): NCCL captured in a
-# CUDA graph, 15.9 us; a one-shot all-reduce written for NVLink (each GPU reads its peer's buffer),
-# 10.1 us. nanoserve all-reduces with NCCL. Links differ: docs/parallelism.md says how to measure yours.
-NCCL_ALLREDUCE_S = 15.9e-6
-ONE_SHOT_ALLREDUCE_S = 10.1e-6
+# One all-reduce of a batch-1 hidden state (8 KiB in bf16 at hidden 4096), measured on two H100s
+# joined by NVLink (NV18) with scripts/bench_all_reduce.py (docs/benchmarks.md, week 20): NCCL
+# captured in a CUDA graph, 11.5 us; the one-shot all-reduce over peer-to-peer memory that
+# `--all-reduce auto` uses for small messages on one host, 8.9 us. In the engine's batch-1 step the
+# two came out level (docs/benchmarks.md), so the estimate uses NCCL's and prints the other beside it.
+# Links differ: docs/parallelism.md says how to measure yours.
+NCCL_ALLREDUCE_S = 11.5e-6
+ONE_SHOT_ALLREDUCE_S = 8.9e-6
 # A pipeline stage's hand-off (one [tokens, hidden] send to the next stage): not measured. The NCCL
 # all-reduce latency above stands in for it, a lower bound once the hand-off crosses nodes.
 STAGE_SEND_S = NCCL_ALLREDUCE_S
