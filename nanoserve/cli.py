@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -163,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.engine import Engine
     from nanoserve.server.app import check_port_free, create_app, guard_options
+    from nanoserve.server.data_parallel import exit_on_signal
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     _configure_logging(args.log_level)
@@ -181,11 +183,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
           f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
           file=sys.stderr)
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)  # docker, systemd, kubernetes: as Ctrl-C
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
                     timeout_keep_alive=args.keep_alive_timeout)
     finally:
-        async_engine.shutdown()
+        async_engine.shutdown()  # the engine thread, then the engine's other ranks
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

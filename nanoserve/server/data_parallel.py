@@ -280,7 +280,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills
     # this process on the spot, skipping `finally`; and uvicorn, which handles it while it serves,
     # raises it again once it has shut down. Raised as SystemExit instead, it unwinds to `finally`.
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         for i in range(n):
             port = args.port + 1 + i
@@ -288,7 +288,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
             if cuda:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(i, tp)
             cmd = [sys.executable, "-m", "nanoserve.cli", *replica_argv(argv), "--host", "127.0.0.1", "--port", str(port)]
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=end_with_parent))
             urls.append(f"http://127.0.0.1:{port}")
         wait_healthy(urls, procs, timeout=args.replica_start_timeout)
         tokenizer = Tokenizer(args.model)
@@ -313,8 +313,25 @@ def serve_data_parallel(args, argv: list[str]) -> int:
 REPLICA_STOP_TIMEOUT = 8.0  # seconds a replica gets to finish after SIGTERM before it is killed
 
 
-def _exit_on_signal(signum, frame) -> None:
+def exit_on_signal(signum, frame) -> None:
+    """A SIGTERM handler for a server: unwind through every `finally` (engines closed, ranks and
+    replicas stopped) and exit 0, as Ctrl-C does. Without it, the default action ends the process on
+    the spot, and uvicorn, which catches SIGTERM while it serves, raises it again once it has shut
+    down: `finally` blocks, finalizers and atexit never run, and the other ranks learn it from a
+    broken connection."""
     raise SystemExit(0)
+
+
+def end_with_parent() -> None:
+    """Run in a replica's process before it starts (Linux): ask the kernel to send it SIGTERM when
+    the front dies, even by SIGKILL or a crash, when no `finally` of the front runs. Elsewhere a
+    killed front still leaves its replicas, and says nothing: there is no portable way."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _cuda_available() -> bool:

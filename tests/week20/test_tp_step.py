@@ -130,3 +130,43 @@ def test_bench_latency_with_two_ranks_exits_cleanly(tmp_path):
     children = [p for p in psutil.process_iter(["cmdline"]) if "nanoserve.engine.distributed" in " ".join(p.info["cmdline"] or [])]
     assert not children, f"ranks left running: {[p.pid for p in children]}"
     print(f"bench latency -tp 2 exited in {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_tensor_parallel_server_ends_every_rank_on_a_signal(stop):
+    """`nanoserve serve -tp 2` stopped as a user or a process manager would: the server and its
+    worker rank are gone within 10 s, and the server says it stopped cleanly (exit code 0)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+    import psutil
+
+    from nanoserve.engine.distributed import free_port
+    from nanoserve.server.data_parallel import wait_healthy
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "-tp", "2",
+           "--port", str(port), "--log-level", "warning"]
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a leaked rank would hold it open
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    ranks = []
+    try:
+        wait_healthy([f"http://127.0.0.1:{port}"], [proc], timeout=120)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "nanoserve.engine.distributed" in " ".join(p.cmdline())]
+        assert len(ranks) == 1
+        body = {"model": "tiny", "prompt": "The list", "max_tokens": 4}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
+        started = time.monotonic()
+        proc.send_signal(stop)
+        code = proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(ranks, timeout=max(0.1, 10 - (time.monotonic() - started)))
+        log.seek(0)
+        assert not alive, f"a rank still runs {time.monotonic() - started:.1f} s after {stop.name}: {log.read()[-2000:]}"
+        assert code == 0 and time.monotonic() - started < 10, log.read()[-2000:]
+    finally:
+        for p in [proc, *ranks]:
+            if p.poll() is None if hasattr(p, "poll") else p.is_running():
+                p.kill()
