@@ -50,6 +50,8 @@ def bench_throughput(args) -> dict:
             engine.abort(i)
     steps0 = engine.num_steps
     engine.trace.clear()
+    if engine.pipeline_stats() is not None:  # week 20: count the bubble of the timed run only
+        engine.runner.reset_bubble_stats()
     sync_device(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -63,10 +65,17 @@ def bench_throughput(args) -> dict:
                  other_seconds=elapsed - prefill - decode)
     print(f"{num_prefill} steps with a prefill: {prefill:.2f} s; {len(engine.trace) - num_prefill} decode steps: "
           f"{decode:.2f} s; outside steps: {elapsed - prefill - decode:.2f} s")
+    bubble = engine.pipeline_stats()
+    if bubble is not None:  # week 20: each stage's idle share against the schedule's (P - 1) / (M + P - 1)
+        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
+              f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
+              f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
                  steps=engine.num_steps - steps0, preemptions=engine.scheduler.num_preemptions)]
+    if bubble is not None:
+        rows[0]["pipeline_bubble"] = bubble
     kv_blocks = engine.runner.cache.num_blocks
     llm.close()  # the other ranks stop now, not at some later garbage collection
     del llm, engine
@@ -110,6 +119,11 @@ def throughput_data_parallel(args, model_dir: Path, prompts: list[list[int]], le
     config.device = config.device or default_device()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs, elapsed = generate_data_parallel(config, prompts, params, args.data_parallel_size)
+    bubble = engine.pipeline_stats()
+    if bubble is not None:  # week 20: each stage's idle share against the schedule's (P - 1) / (M + P - 1)
+        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
+              f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
+              f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     n = args.data_parallel_size

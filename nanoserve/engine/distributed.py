@@ -204,12 +204,12 @@ class Workers:
             host, self.driver_device = self.cluster.host, self.cluster.driver_device
         self.init_method = f"tcp://{host}:{free_port()}"
         if executor == "mp":
-            # Plain child processes running `python -m nanoserve.engine.distributed`: a fresh interpreter
+            # Plain child processes running `worker_from_stdin` (WORKER_COMMAND): a fresh interpreter
             # (CUDA cannot be forked), and unlike multiprocessing's "spawn" it never re-imports the
             # caller's script, so `LLM(..., tensor_parallel_size=2)` works at a script's top level.
             for rank in range(1, size):
                 args = (config, rank, size, self.init_method, timeout, rank_device(config.device, rank))
-                p = subprocess.Popen([sys.executable, "-m", "nanoserve.engine.distributed"], stdin=subprocess.PIPE,
+                p = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE,
                                      env=_same_package_env())
                 p.stdin.write(pickle.dumps(args))
                 p.stdin.close()
@@ -316,7 +316,13 @@ def _same_package_env() -> dict[str, str]:
     return env
 
 
-if __name__ == "__main__":  # a worker rank started by `Workers` (executor "mp"): its arguments come pickled on stdin
+WORKER_COMMAND = "from nanoserve.engine.distributed import worker_from_stdin; worker_from_stdin()"
+
+
+def worker_from_stdin() -> None:
+    """A worker process started by `Workers` (executor "mp", as `python -c WORKER_COMMAND`): its
+    arguments come pickled on stdin. (Not `python -m` this module: the package's own imports load
+    it first, and Python then warns that it runs a second copy.)"""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver, which then stops us
