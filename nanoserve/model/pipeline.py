@@ -108,6 +108,9 @@ def cut_stage(model: Llama, stage: Stage) -> Llama:
     # >>> week20: cut-stage
     cfg = model.config
     check_pipelinable(cfg, stage.num_stages)
+    if not 0 <= stage.first_layer < stage.last_layer <= cfg.num_layers:  # a stage holds at least one layer
+        raise ValueError(f"stage {stage.index} of {stage.num_stages} asks for layers [{stage.first_layer}, "
+                         f"{stage.last_layer}), which is not a range of this model's {cfg.num_layers} layers")
     model.layers = nn.ModuleList(list(model.layers)[stage.first_layer : stage.last_layer])
     for local, layer in enumerate(model.layers):
         layer.self_attn.layer_idx = local  # the index into this stage's KV pool

@@ -231,6 +231,16 @@ def test_a_chain_of_stages_is_the_whole_model_bit_for_bit(model, num_stages, win
         assert torch.equal(final_hidden(stages[0].model, stream), expected)
 
 
+@pytest.mark.exercise("cut-stage")
+@pytest.mark.parametrize("first,last", [(2, 2), (3, 1), (2, 5), (-1, 2)])
+def test_a_stage_that_is_not_a_range_of_layers_is_refused(first, last):
+    """An empty range, a reversed one, or one past the model's layers: refused before anything is cut."""
+    model = load_model("tiny")
+    with pytest.raises(ValueError, match="not a range of this model's 4 layers"):
+        cut_stage(model, Stage(1, 2, first, last))
+    assert model.config.num_layers == 4 and len(model.layers) == 4  # untouched
+
+
 # ------------------------------------------------------------------------------- refusals
 
 
