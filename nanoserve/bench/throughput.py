@@ -20,6 +20,33 @@ from nanoserve.bench.common import (
 from nanoserve.bench.latency import profile_steps, step_breakdown
 
 
+def print_bubble(engine) -> dict | None:
+    """Week 20: each pipeline stage's idle share of the timed run against the schedule's
+    (P - 1) / (M + P - 1); returns the figures (None with one stage)."""
+    bubble = engine.pipeline_stats()
+    if bubble is not None:
+        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
+              f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
+              f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
+    return bubble
+
+
+def profile_full_batch(engine, prompts: list, params: list, device: str) -> None:
+    """`--profile`: a full batch, every request admitted and decoding; where its steps' time goes."""
+    ids = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+    if device.startswith("cuda"):
+        print("the first step (a prefill):")
+        profile_steps(engine, 1)
+    while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+        engine.step()
+    print(f"decode steps with {len(engine.scheduler.running)} sequences running:")
+    print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in step_breakdown(engine, 20).items()))
+    if device.startswith("cuda"):
+        profile_steps(engine, 10)
+    for i in ids:
+        engine.abort(i)
+
+
 def bench_throughput(args) -> dict:
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.engine import LLM
@@ -35,19 +62,8 @@ def bench_throughput(args) -> dict:
     device, dtype = str(engine.runner.device), engine.model.embed_tokens.weight.dtype
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8)] * 4, use_tqdm=False)  # warm-up
-    if args.profile:  # a full batch: every request admitted and decoding
-        ids = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
-        if device.startswith("cuda"):
-            print("the first step (a prefill):")
-            profile_steps(engine, 1)
-        while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
-            engine.step()
-        print(f"decode steps with {len(engine.scheduler.running)} sequences running:")
-        print("per decode step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in step_breakdown(engine, 20).items()))
-        if device.startswith("cuda"):
-            profile_steps(engine, 10)
-        for i in ids:
-            engine.abort(i)
+    if args.profile:
+        profile_full_batch(engine, prompts, params, device)
     steps0 = engine.num_steps
     engine.trace.clear()
     if engine.pipeline_stats() is not None:  # week 20: count the bubble of the timed run only
@@ -65,11 +81,7 @@ def bench_throughput(args) -> dict:
                  other_seconds=elapsed - prefill - decode)
     print(f"{num_prefill} steps with a prefill: {prefill:.2f} s; {len(engine.trace) - num_prefill} decode steps: "
           f"{decode:.2f} s; outside steps: {elapsed - prefill - decode:.2f} s")
-    bubble = engine.pipeline_stats()
-    if bubble is not None:  # week 20: each stage's idle share against the schedule's (P - 1) / (M + P - 1)
-        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
-              f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
-              f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
+    bubble = print_bubble(engine)
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
@@ -119,11 +131,6 @@ def throughput_data_parallel(args, model_dir: Path, prompts: list[list[int]], le
     config.device = config.device or default_device()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs, elapsed = generate_data_parallel(config, prompts, params, args.data_parallel_size)
-    bubble = engine.pipeline_stats()
-    if bubble is not None:  # week 20: each stage's idle share against the schedule's (P - 1) / (M + P - 1)
-        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
-              f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
-              f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     n = args.data_parallel_size
