@@ -475,6 +475,26 @@ def schema_format(schema: dict, name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (on every interface), drawn below Linux's ephemeral range (32768 on):
+    ports the OS hands out to other tests' servers come one after another there, and under pytest-xdist
+    another test's server could take the port right after this one's."""
+    import contextlib
+    import random
+    import socket
+
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 32000 - n)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + n):
+                    stack.enter_context(socket.socket()).bind(("", port))  # every interface: Ray binds the host's address
+            return first
+        except OSError:
+            continue
+
+
 def dead_url() -> str:
     """A loopback URL on which nothing listens (a port bound, then closed): a replica that is down."""
     import socket

@@ -1,8 +1,6 @@
 """Week 18: replicas behind one front (data parallelism), and a tensor-parallel server that fails loudly."""
 
-import contextlib
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -23,7 +21,7 @@ from nanoserve.server.data_parallel import (
     replica_argv,
     wait_healthy,
 )
-from nanoserve.testing import ServerThread, dead_url
+from nanoserve.testing import free_ports, ServerThread, dead_url
 
 
 @pytest.mark.exercise("route")
@@ -128,21 +126,6 @@ def test_streams_pass_through_and_health_reports_each_replica(front):
 
 
 @pytest.mark.slow
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive free loopback ports, drawn below Linux's ephemeral range (32768 on):
-    ports the OS hands out to other tests' servers come one after another there, and under pytest-xdist
-    another test's server could take the port right after this one's front."""
-    rng = random.Random()
-    while True:
-        first = rng.randrange(20000, 32000 - n)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"])

@@ -21,9 +21,7 @@ import contextlib
 import importlib.util
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from nanoserve.testing import free_ports
 
 from nanoserve.engine.ray_cluster import driver_cuda_device, shortfall
 
@@ -80,19 +80,6 @@ def test_a_placement_without_ray_actors_is_refused():
 # ------------------------------------------------------------------------------ two Ray nodes
 
 
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive free ports, below Linux's ephemeral range (32768 on) so that no
-    port another test's server is handed meanwhile lands among them (pytest-xdist runs tests side by side)."""
-    rng = random.Random()
-    while True:
-        first = rng.randrange(20000, 32000 - n)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + n):
-                    stack.enter_context(socket.socket()).bind(("", port))
-            return first
-        except OSError:
-            continue
 
 
 def node_ports(first: int, head: bool) -> list[str]:
