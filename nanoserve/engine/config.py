@@ -62,6 +62,15 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+    lora_modules: dict[str, str] | None = None  # week 22: LoRA adapters to load at start, name -> PEFT folder
+    max_loras: int | None = None  # week 22: adapters resident on the device at once; default: 4 with lora_modules,
+    # else 0 (no LoRA layers; a positive value turns them on, for adapters loaded at run time)
+    max_lora_rank: int | None = None  # week 22: the largest adapter rank accepted; default: 16 (with LoRA on)
+
+    @property
+    def lora(self) -> bool:
+        """Week 22: whether the model gets LoRA layers."""
+        return bool(self.max_loras)
 
     @property
     def world_size(self) -> int:
@@ -79,8 +88,26 @@ class EngineConfig:
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
+        self._check_lora()
         if self.ray_placement != "pack" and self.distributed_executor != "ray":
             raise ValueError(f"--ray-placement {self.ray_placement} places Ray actors: it needs --distributed-executor ray")
+
+    def _check_lora(self) -> None:
+        """Week 22: LoRA's defaults, and what it refuses."""
+        if self.max_loras is None:
+            self.max_loras = 4 if self.lora_modules else 0
+        if self.max_loras < 0 or (self.lora_modules and not self.max_loras):
+            raise ValueError(f"max_loras={self.max_loras}: adapters need at least one device slot (--max-loras ≥ 1)")
+        if not self.max_loras:
+            if self.max_lora_rank is not None:
+                raise ValueError("max_lora_rank is set but LoRA is off: give --lora-modules or --max-loras")
+            return
+        self.max_lora_rank = 16 if self.max_lora_rank is None else self.max_lora_rank
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank}: an adapter's rank is at least 1")
+        if self.world_size > 1:
+            raise ValueError("LoRA adapters run on one device: tensor and pipeline parallelism do not take them yet "
+                             "(serve replicas with --data-parallel-size instead)")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -155,6 +182,14 @@ class EngineConfig:
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")
+        p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to serve, each by a name requests give as their model "
+                            "(week 22; repeatable)")
+        p.add_argument("--max-loras", type=int, default=None,
+                       help="adapters resident on the device at once, the others waiting in host memory "
+                            "(week 22; default: 4 with --lora-modules, else 0: no LoRA)")
+        p.add_argument("--max-lora-rank", type=int, default=None,
+                       help="the largest adapter rank accepted (week 22; default: 16 with LoRA on)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -165,4 +200,19 @@ class EngineConfig:
             given["dtype"] = DTYPES[given["dtype"]]
         if given.get("kv_cache_memory") is not None:
             given["kv_cache_memory"] = int(given["kv_cache_memory"] * 2**30)
+        if given.get("lora_modules") is not None:
+            given["lora_modules"] = parse_lora_modules(given["lora_modules"])
         return cls(**given)
+
+
+def parse_lora_modules(specs: list[str]) -> dict[str, str]:
+    """["NAME=PATH", ...] -> {NAME: PATH}; a malformed or repeated name is a one-line error."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules

@@ -16,7 +16,9 @@ from nanoserve.engine.pipeline import build_stage_model
 from nanoserve.engine.step_channel import one_host
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
+from nanoserve.model.lora import enable_lora
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
+from nanoserve.runner.lora import AdapterPool
 from nanoserve.runner.pipeline import PipelineRunner
 from nanoserve.runner.runner import ModelRunner
 
@@ -65,6 +67,8 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
                        fused_kernels=c.fused_kernels if c.fused_kernels is not None else week12)
+    if c.lora:  # week 22: LoRA layers swapped in for the model's linear layers, their slots in a pool
+        runner_args["lora"] = AdapterPool(*enable_lora(model, c.max_loras, c.max_lora_rank))
     runner_class = PipelineRunner if pipeline else ModelRunner
     if pipeline:
         runner_args.update(micro_batches=c.pipeline_micro_batches, cpu_group=group.cpu_group)

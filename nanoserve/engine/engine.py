@@ -16,6 +16,7 @@ before the step before it is resolved. The outputs are built by the `OutputProce
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 import warnings
@@ -33,6 +34,7 @@ from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
+from nanoserve.model.lora import read_adapter
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -97,7 +99,7 @@ class Engine:
         self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, batching=c.batching, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
-                                   scheduling=c.scheduling_policy)
+                                   scheduling=c.scheduling_policy, max_loras=c.max_loras)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
                           "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
@@ -121,6 +123,10 @@ class Engine:
         self._in_flight: _InFlight | None = None  # async scheduling: the step launched and not yet resolved
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
+        self.loras: dict[str, int] = {}  # week 22: the adapters loaded, name -> id (ids are never reused)
+        self._lora_ids = itertools.count(1)
+        for name, path in (c.lora_modules or {}).items():
+            self.add_lora(name, path)
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
@@ -152,15 +158,17 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = True, priority: int = 0) -> int:
+                    stream: bool = True, priority: int = 0, lora: str | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
-        first) matters only with `scheduling_policy="priority"`.
+        first) matters only with `scheduling_policy="priority"`. `lora` names a loaded adapter
+        (week 22) to run it under; None: the base model.
 
         With `stream=False` the request produces one output, when it finishes, and its text is
         decoded once at the end instead of token by token (unless it has stop strings, which
         must be looked for as the text grows).
         """
         params = params or SamplingParams()
+        lora_id = self.lora_id(lora)
         if self.workers is not None and self.workers.failed is not None:
             raise WorkerFailed(self.workers.failed)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -176,7 +184,7 @@ class Engine:
         constraint = None
         if params.grammar is not None:  # structured output: the grammar also ends the request
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority, lora_id=lora_id)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
         self.scheduler.add(seq)
         self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
@@ -185,6 +193,48 @@ class Engine:
                 or params.repetition_penalty != 1.0:
             self._needs_tokens.add(seq.seq_id)  # async scheduling: its steps wait for the host to see each token
         return seq.seq_id
+
+    # -- week 22: LoRA adapters ----------------------------------------------------------------------
+
+    def lora_id(self, name: str | None) -> int:
+        """The id of a loaded adapter (0 for None: the base model); a ValueError names the ones there are."""
+        if name is None:
+            return 0
+        if name not in self.loras:
+            known = ", ".join(self.loras) or "none"
+            off = "" if self.runner.lora is not None else " (start the engine with --lora-modules or --max-loras)"
+            raise ValueError(f"unknown adapter {name!r}; loaded: {known}{off}")
+        return self.loras[name]
+
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Load a PEFT LoRA adapter into host memory under `name` (checked against the model: a
+        ValueError says why not); it goes to a device slot when a request first uses it."""
+        if self.runner.lora is None:
+            raise ValueError("this engine has no LoRA layers: start it with --lora-modules or --max-loras")
+        if not name or name == self.model_name or name in self.loras:
+            raise ValueError(f"adapter name {name!r} is {'taken' if name else 'empty'}: pick another")
+        adapter = read_adapter(path, name, self.model.config, self.config.max_lora_rank, base_model=self.model_name)
+        lora_id = next(self._lora_ids)
+        self.runner.lora.add(lora_id, adapter)
+        self.loras[name] = lora_id
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. Refused (ValueError) while requests that use it are in the engine."""
+        lora_id = self.lora_id(name)
+        users = sum(seq.lora_id == lora_id for seq in self.sequences.values())
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {users} request(s); unload it once they finish")
+        self.runner.lora.in_use = self.scheduler.adapters_in_use()
+        self.runner.lora.remove(lora_id)
+        del self.loras[name]
+
+    def lora_stats(self) -> dict | None:
+        """Week 22's counters (adapters loaded, resident, loads into a slot, evictions), or None without LoRA."""
+        pool = self.runner.lora
+        if pool is None:
+            return None
+        return dict(loaded=len(self.loras), resident=len(pool.resident), slots=pool.max_loras, loads=pool.num_loads,
+                    evictions=pool.num_evictions, steps_held=self.scheduler.num_held_for_adapters)
 
     def grammar_tokenizer(self):
         """Structured output's view of the tokenizer (`nanoserve.sampling.grammar.make_tokenizer`),
@@ -254,6 +304,8 @@ class Engine:
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())
         batch = self.scheduler.schedule()
+        if self.runner.lora is not None:  # week 22: the adapters of running requests keep their slots
+            self.runner.lora.in_use = self.scheduler.adapters_in_use()
         if run_async:  # week 12: launch this batch, then resolve the step launched before it
             done = self.run_step_async(batch)
         elif batch.seqs:
@@ -409,16 +461,26 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Week 22: load a PEFT LoRA adapter under `name`, for `generate(..., lora=name)`."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Complete every prompt. `lora` (week 22): the adapter every prompt runs under, or one per
+        prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(params) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params and {len(loras)} adapters")
+        ids = [self.engine.add_request(p, sp, stream=False, lora=a) for p, sp, a in zip(prompts, params, loras)]
         results: dict[int, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(prompts) >= 32
         from tqdm.auto import tqdm

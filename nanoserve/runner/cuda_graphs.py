@@ -45,6 +45,7 @@ import torch
 
 from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model.llama import Llama
+from nanoserve.model.lora import LoRARows, LoRAState, group_rows
 from nanoserve.scheduler.blocks import blocks_needed
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class CUDAGraphDecoder:
 
     def __init__(self, model: Llama, cache: PagedKVCache, scratch_block: int, max_model_len: int, max_batch: int,
                  context_class: type[PagedContext], fused: bool, capture: bool | None = None,
-                 verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0):
+                 verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0, lora: LoRAState | None = None):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.context_class, self.fused = context_class, fused
         self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
@@ -130,12 +131,36 @@ class CUDAGraphDecoder:
         # Async scheduling: when the host runs a step ahead, it may refill the pinned mirrors before the GPU
         # has copied the last step's values out of them; this event marks those copies done.
         self.copied = torch.cuda.Event() if self.capture else None
+        # Week 22: the LoRA layers' rows of every graph, in fixed buffers: the rows grouped by adapter slot
+        # and where each slot's group starts (all groups empty: no adapter, and the kernels return at once).
+        self.lora = lora
+        if lora is not None:
+            most = max([n] + [self.verify_sizes[-1] * self.verify_q[-1]] * bool(self.verify_sizes)
+                       + self.mixed_sizes[-1:])
+            self.lora_order = torch.zeros(most, dtype=torch.int32, device=device)
+            self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=device)
         if self.capture:
             self._capture()
+
+    def use_lora_buffers(self, num_tokens: int) -> None:
+        """Week 22: point the LoRA layers at the fixed buffers, for a forward pass of `num_tokens` rows."""
+        if self.lora is not None:
+            self.lora.rows = LoRARows(self.lora_order[:num_tokens], self.lora_starts)
+
+    def stage_lora(self, step: StepInput) -> None:
+        """Week 22: write the step's rows by adapter slot into the buffers (padding rows use none). The
+        host lists are fresh each step, so the asynchronous copies never race a refill."""
+        if self.lora is None:
+            return
+        order, starts = group_rows(step.lora_slots, self.lora.max_loras)
+        if order:
+            self.lora_order[: len(order)].copy_(torch.tensor(order, dtype=torch.int32), non_blocking=True)
+        self.lora_starts.copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
         """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
         input_ids, positions, slots, context_lens = self.inputs[:4, :bs]
+        self.use_lora_buffers(bs)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[: bs + 1],
                                       context_lens=context_lens, block_tables=self.block_tables[:bs],
                                       max_query_len=1, max_context_len=self.max_model_len)
@@ -145,6 +170,7 @@ class CUDAGraphDecoder:
     def _forward_verify(self, bs: int, q: int) -> torch.Tensor:
         """Week 17: the forward pass for `bs` sequences of q new tokens each, all rows sampled."""
         input_ids, positions, slots = self.vinputs[:, : bs * q]
+        self.use_lora_buffers(bs * q)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.vstarts[q][: bs + 1],
                                       context_lens=self.vcontext[:bs], block_tables=self.block_tables[:bs],
                                       max_query_len=q, max_context_len=self.max_model_len)
@@ -155,6 +181,7 @@ class CUDAGraphDecoder:
         """Week 15: the forward pass of a mixed step padded to t tokens; logits of the sampled rows."""
         input_ids, positions, slots = self.minputs[:3, :t]
         context_lens, sampled = self.mseqs
+        self.use_lora_buffers(t)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.mstarts, context_lens=context_lens,
                                       block_tables=self.block_tables, max_query_len=t,
                                       max_context_len=self.max_model_len)
@@ -269,6 +296,7 @@ class CUDAGraphDecoder:
     def run_verify(self, step: StepInput, q: int) -> torch.Tensor:
         """One verification step -> logits [n * q, vocab]."""
         bs = self.stage_verify(step, q)
+        self.stage_lora(step)
         rows = step.num_seqs * q
         if not self.capture:
             return self._forward_verify(bs, q)[:rows]
@@ -320,6 +348,7 @@ class CUDAGraphDecoder:
     def run_mixed(self, step: StepInput, t: int, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One mixed step -> logits of its sampled rows [len(step.sample_rows), vocab]."""
         self.stage_mixed(step, t)
+        self.stage_lora(step)
         if step.from_last:  # async scheduling: inputs the host has not seen, from the last step's tokens
             feed_last_tokens(self.minputs[0, :t], self.minputs[3, :t], last_tokens)
         rows = len(step.sample_rows)
@@ -332,6 +361,7 @@ class CUDAGraphDecoder:
     def run(self, step: StepInput, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step (one new token per sequence) -> logits [n, vocab]."""
         bs = self.stage(step)
+        self.stage_lora(step)
         self.copies_sent()
         if step.from_last:  # async scheduling: inputs the host has not seen, from the last step's tokens
             k = len(step.from_last)

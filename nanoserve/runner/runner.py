@@ -19,7 +19,9 @@ import torch
 
 from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model.llama import Llama
+from nanoserve.model.lora import lora_rows
 from nanoserve.runner.cuda_graphs import feed_last_tokens
+from nanoserve.runner.lora import AdapterPool
 from nanoserve.runner.step import StepInput
 from nanoserve.sampling.sampler import TokenLogprob, token_logprobs
 from nanoserve.scheduler.blocks import blocks_needed, slot_of
@@ -29,8 +31,10 @@ from nanoserve.scheduler.sequence import PENDING, Batch, Sequence
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
-                 fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0):
+                 fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0,
+                 lora: AdapterPool | None = None):
         self.model = model
+        self.lora = lora  # week 22: the adapters, when the model has LoRA layers (`enable_lora`)
         self.device = model.embed_tokens.weight.device
         self.workers = None  # week 18, on the driver: the other ranks (nanoserve.engine.distributed.Workers)
         self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # prompt logprobs: seq_id -> position -> logprob
@@ -50,6 +54,10 @@ class ModelRunner:
 
             self.context_class = TritonPagedContext
             use_fused_kernels(model, self.fused)
+            if lora is not None:  # week 22: the adapters' products in two kernels (`nanoserve/kernels/lora.py`)
+                from nanoserve.kernels.lora import use_lora_kernels
+
+                use_lora_kernels(lora.state)
             if self.device.type == "cuda":  # compile the kernel's variants now, not mid-serving
                 windows = {cfg.window(i) for i in range(cfg.num_layers)}  # week 19: sliding layers' variant too
                 warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len, windows=sorted(windows, key=str))
@@ -59,7 +67,8 @@ class ModelRunner:
 
             self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
                                            self.context_class, fused=self.fused, verify_tokens=verify_tokens,
-                                           verify_batch=verify_batch, mixed_tokens=mixed_tokens)
+                                           verify_batch=verify_batch, mixed_tokens=mixed_tokens,
+                                           lora=None if lora is None else lora.state)
 
     @classmethod
     @torch.no_grad()
@@ -91,8 +100,22 @@ class ModelRunner:
     def measure_forward(self, step: StepInput) -> None:
         """The forward pass `measure_step_memory` measures (week 20: a pipeline stage runs its share)."""
         input_ids, positions, ctx = self.prepare(step)
+        self.set_lora_rows(step)
         hidden = self.model(input_ids, positions, ctx)
         self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+
+    def lora_slots(self, batch: Batch) -> list[int]:
+        """Week 22: each input token's adapter slot (its sequence's; -1: none), the adapters made resident
+        first; [] when no sequence of the batch has one."""
+        if self.lora is None or not any(seq.lora_id for seq in batch.seqs):
+            return []
+        slots = self.lora.slots([seq.lora_id for seq in batch.seqs])
+        return [slot for slot, n in zip(slots, batch.num_new_tokens) for _ in range(n)]
+
+    def set_lora_rows(self, step: StepInput) -> None:
+        """Week 22: tell the LoRA layers which rows of this eager step use which slot."""
+        if self.lora is not None:
+            self.lora.state.rows = lora_rows(step.lora_slots, self.lora.max_loras, self.device)
 
     def step_input(self, batch: Batch) -> StepInput:
         """The scheduler's batch -> the step as plain lists."""
@@ -134,6 +157,7 @@ class ModelRunner:
         device, and the row of each sequence's token among them. A sequence whose newest token
         is a placeholder (`PENDING`) takes it from there."""
         step = self.step_input(batch)
+        step.lora_slots = self.lora_slots(batch)  # week 22
         last_tokens = None
         if last is not None:
             last_tokens, rows = last
@@ -161,6 +185,7 @@ class ModelRunner:
         if t is not None:
             return self.graphs.run_mixed(step, t, last_tokens)  # week 15: a mixed step, one replay
         input_ids, positions, ctx = self.prepare(step)
+        self.set_lora_rows(step)
         if step.from_last:  # async scheduling
             source = torch.full_like(input_ids, -1)
             source[[d for d, _ in step.from_last]] = torch.tensor([s for _, s in step.from_last], device=self.device)

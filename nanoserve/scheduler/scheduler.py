@@ -50,7 +50,7 @@ class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
                  batching: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
-                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200):
+                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200, max_loras: int = 0):
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r}: choose one of {', '.join(BATCHING)}")
         if scheduling not in ("fcfs", "priority"):
@@ -79,6 +79,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
+        self.max_loras = max_loras  # week 22: distinct adapters running at once (the device's slots)
+        self.num_held_for_adapters = 0  # steps in which the head of the queue waited for an adapter slot
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class Scheduler:
                 f"tokens can never fit in the KV pool ({self.allocator.num_blocks} blocks of "
                 f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
+        self._name_first_block(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -140,6 +143,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.by_priority:
             self._order_by_priority()
+        held = self._hold_back_for_adapters()  # week 22
         if self.batching == "admit-all":
             batch = self._schedule_admit_all()
         elif self.batching == "static":
@@ -148,8 +152,33 @@ class Scheduler:
             batch = self._schedule_chunked()
         else:
             batch = self._schedule_continuous()
+        self.waiting.extend(held)
         self.num_scheduled_tokens += batch.num_scheduled_tokens
         return batch
+
+    def adapters_in_use(self) -> set[int]:
+        """The adapter ids of the running sequences (and of those whose last step is in flight)."""
+        return {s.lora_id for s in self.running + self.ending if s.lora_id}
+
+    def _hold_back_for_adapters(self) -> list[Sequence]:
+        """Off the queue for this step: all from the first sequence whose adapter finds no slot (those
+        running or ahead of it use `max_loras` adapters); it waits, FCFS, for one to finish."""
+        adapters = self.adapters_in_use()
+        for i, seq in enumerate(self.waiting if self.max_loras else ()):
+            if seq.lora_id and seq.lora_id not in adapters:
+                if len(adapters) == self.max_loras:
+                    self.num_held_for_adapters += 1
+                    queue = list(self.waiting)
+                    self.waiting = deque(queue[:i])
+                    return queue[i:]
+                adapters.add(seq.lora_id)
+        return []
+
+    def _name_first_block(self, seq: Sequence) -> None:
+        """Under an adapter the first full block's name has the adapter in its seed (`cache_salt`), and
+        every later name chains on it: no block is shared across adapters. Named before week 14's code would."""
+        if seq.cache_salt is not None and not seq.block_hashes and seq.num_tokens >= self.block_size:
+            seq.block_hashes.append(block_hash(seq.cache_salt, seq.token_ids[: self.block_size]))
 
     def _schedule_admit_all(self) -> Batch:
         """Week 5: prefill every waiting request that fits, else decode every running one."""
@@ -260,6 +289,7 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence, computed_before: int, computed_after: int | None = None) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
         after = seq.num_computed if computed_after is None else computed_after
+        self._name_first_block(seq)  # week 22
         first, end = computed_before // self.block_size, after // self.block_size
         hashes = self._block_hashes(seq, end)
         for i in range(first, end):

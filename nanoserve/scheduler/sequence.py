@@ -59,6 +59,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
     num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
+    lora_id: int = 0  # week 22: the adapter it runs under (the engine's id for it), 0 for the base model
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,12 @@ class Sequence:
     def inter_token_latencies(self) -> list[float]:
         """Gaps between consecutive output tokens, in seconds."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """Week 22: what seeds its prefix cache's hash chain: under an adapter the same tokens have other
+        K/V, so its blocks must never be found by the base model's prompts or another adapter's."""
+        return f"lora:{self.lora_id}".encode() if self.lora_id else None
 
     @property
     def max_total_tokens(self) -> int:
