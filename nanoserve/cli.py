@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,10 +89,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve.engine.engine import Engine
 
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
+        if args.lora is not None:
+            raise SystemExit("nanoserve generate: --lora runs on the engine; drop --no-cache")
         return _generate_no_cache(args, args.device or _default_device(), DTYPES[args.dtype or "float32"])
+    lora = with_lora_adapter(args)
     engine = Engine(EngineConfig.from_args(args))
     params, _ = sampling_params(args, resolve_model_dir(args.model))
-    engine.add_request(args.prompt, params)
+    engine.add_request(args.prompt, params, lora=lora)
     print(args.prompt, end="", flush=True)
     start, n = time.perf_counter(), 0
     while engine.has_unfinished():
@@ -128,12 +132,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from nanoserve.engine.engine import Engine
     from nanoserve.server.chat import ChatSession, run_chat
 
+    lora = with_lora_adapter(args)
     engine = Engine(EngineConfig.from_args(args))
     params, source = sampling_params(args, resolve_model_dir(args.model))
     # One line on stderr (stdout is the conversation): which sampling, why, and how to change it.
     print(f"nanoserve chat: sampling: {describe_sampling(params)} ({source}; --temperature, --top-p, "
           "--top-k and --repetition-penalty change it)", file=sys.stderr)
-    return run_chat(ChatSession(engine, params, system=args.system), args.message)
+    return run_chat(ChatSession(engine, params, system=args.system, lora=lora), args.message)
+
+
+def with_lora_adapter(args: argparse.Namespace) -> str | None:
+    """Week 22: `--lora PATH` of generate and chat, added to the engine's --lora-modules under the
+    folder's name; returns that name (None without --lora)."""
+    if args.lora is None:
+        return None
+    name = Path(args.lora).expanduser().resolve().name
+    args.lora_modules = (args.lora_modules or []) + [f"{name}={args.lora}"]
+    return name
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -337,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("message", nargs="?", default=None, help="answer this one message and exit")
     add_sampling(chat, max_tokens=512, command="chat")
     chat.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    chat.add_argument("--lora", default=None, metavar="PATH", help="answer with this LoRA adapter (a PEFT folder; week 22)")
     EngineConfig.add_arguments(chat, default_model="smollm2")
     chat.set_defaults(func=cmd_chat)
 
@@ -344,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_sampling(gen, max_tokens=48, command="generate")
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
+    gen.add_argument("--lora", default=None, metavar="PATH", help="generate with this LoRA adapter (a PEFT folder; week 22)")
     EngineConfig.add_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -46,6 +46,8 @@ class AsyncEngine:
         self.options: dict[int, dict] = {}  # our key -> the options it was submitted with
         self.listeners: list = []  # callables (final RequestOutput, options), run on the event loop
         self.num_pending = 0  # read and written on the event loop only
+        # Week 22: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
+        self.lora_names: tuple[str, ...] = tuple(engine.loras)
         self._keys = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -145,6 +147,24 @@ class AsyncEngine:
                 self._wake.set()
         # <<< week10: async-generate
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Week 22: `Engine.add_lora` on the engine thread (its ValueError raised here)."""
+        await self._on_engine_thread(lambda engine: engine.add_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """Week 22: `Engine.remove_lora` on the engine thread (its ValueError raised here)."""
+        await self._on_engine_thread(lambda engine: engine.remove_lora(name))
+
+    async def _on_engine_thread(self, change) -> None:
+        """Run `change(engine)` between two steps, on the thread that owns the engine, and wait for it."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.inbox.put(("call", change, loop, done))
+        self._wake.set()
+        await done
+
     # -- the engine thread -------------------------------------------------------------------
 
     def _send(self, key: int, item) -> None:
@@ -171,12 +191,20 @@ class AsyncEngine:
                 _, key, prompt, params, options, loop, stream = command
                 self.streams[key] = (loop, stream)
                 try:
-                    self.request_ids[key] = self.engine.add_request(prompt, params,
-                                                                    priority=options.get("priority", 0))
+                    self.request_ids[key] = self.engine.add_request(prompt, params, priority=options.get("priority", 0),
+                                                                    lora=options.get("lora"))
                     self.options[key] = options
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)
                     del self.streams[key]
+            elif command[0] == "call":  # week 22: load or unload an adapter
+                _, change, loop, done = command
+                try:
+                    change(self.engine)
+                    self.lora_names = tuple(self.engine.loras)
+                    loop.call_soon_threadsafe(done.set_result, None)
+                except Exception as e:  # noqa: BLE001 (the caller gets it; the engine thread goes on)
+                    loop.call_soon_threadsafe(done.set_exception, e)
             else:
                 _, key = command
                 rid = self.request_ids.pop(key, None)

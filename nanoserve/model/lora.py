@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanoserve.model.config import ModelConfig
@@ -110,7 +110,10 @@ def read_config(path: Path, max_rank: int, base_model: str | None) -> dict:
     refused = [(raw.get("use_dora"), "DoRA (use_dora)"), (raw.get("bias", "none") != "none", f"bias={raw.get('bias')!r}"),
                (raw.get("modules_to_save"), "modules_to_save"), (raw.get("fan_in_fan_out"), "fan_in_fan_out"),
                (raw.get("rank_pattern"), "per-module ranks (rank_pattern)"),
-               (raw.get("alpha_pattern"), "per-module alphas (alpha_pattern)")]
+               (raw.get("alpha_pattern"), "per-module alphas (alpha_pattern)"), (raw.get("lora_bias"), "lora_bias"),
+               (raw.get("layer_replication"), "layer_replication"),
+               (raw.get("trainable_token_indices"), "trainable_token_indices"),
+               (raw.get("alora_invocation_tokens"), "aLoRA (alora_invocation_tokens)")]
     for on, what in refused:
         if on:
             raise AdapterError(f"{path}: {what} is not supported; nanoserve serves plain LoRA adapters")
@@ -149,6 +152,19 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
         raise AdapterError(f"{path}: no adapter_model.safetensors (nanoserve reads safetensors adapters only)")
     rank, alpha = raw["r"], float(raw.get("lora_alpha", raw["r"]))
     scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+    try:
+        found = _read_tensors(path, weights, config)
+    except (OSError, SafetensorError) as e:  # a truncated or corrupt file
+        raise AdapterError(f"{weights} cannot be read: {e}") from None
+    adapter = Adapter(name, str(path), rank, alpha, tuple(sorted({m for _, m in found})))
+    for (layer, module), ab in sorted(found.items()):
+        adapter.pieces.setdefault((layer, our_layer(module)), []).append(
+            _piece(path, config, layer, module, ab, rank, scale))
+    return adapter
+
+
+def _read_tensors(path: Path, weights: Path, config: ModelConfig) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The adapter's tensors by (layer, PEFT module) and "A" / "B", every name checked."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         for key in f.keys():
@@ -162,11 +178,7 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
             found.setdefault((layer, module), {})[match.group(4)] = f.get_tensor(key).float()
     if not found:
         raise AdapterError(f"{path}: adapter_model.safetensors holds no LoRA tensors")
-    adapter = Adapter(name, str(path), rank, alpha, tuple(sorted({m for _, m in found})))
-    for (layer, module), ab in sorted(found.items()):
-        adapter.pieces.setdefault((layer, our_layer(module)), []).append(
-            _piece(path, config, layer, module, ab, rank, scale))
-    return adapter
+    return found
 
 
 def _piece(path: Path, config: ModelConfig, layer: int, module: str, ab: dict[str, torch.Tensor], rank: int,

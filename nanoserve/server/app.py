@@ -43,7 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers, tokenizer_api
+from nanoserve.server import handlers, lora_api, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.protocol import APIError
@@ -372,10 +372,12 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
         return tokenizer_api.tokenizer_info(state)
+    lora_api.add_routes(app, state)  # week 22: load and unload adapters
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:
-            app.openapi_schema = tokenizer_api.add_tokenizer_models(add_request_models(FastAPI.openapi(app)))
+            app.openapi_schema = lora_api.add_lora_models(
+                tokenizer_api.add_tokenizer_models(add_request_models(FastAPI.openapi(app))))
         return app.openapi_schema
 
     app.openapi = openapi

@@ -22,8 +22,9 @@ HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops 
 class ChatSession:
     """A conversation with one engine: `ask` a message, get the streamed answer back."""
 
-    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None):
+    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None, lora: str | None = None):
         self.engine = engine
+        self.lora = lora  # week 22: the adapter (a name the engine loaded) every answer runs under
         self.params = params
         self.system = system
         self.messages: list[dict[str, str]] = []
@@ -46,7 +47,7 @@ class ChatSession:
             raise ValueError(f"the conversation is {len(prompt)} tokens, over this model's context of "
                              f"{self.engine.max_model_len}: /reset to start a new one")
         self._stop_requested = False
-        request = self.engine.add_request(prompt, self.params)
+        request = self.engine.add_request(prompt, self.params, lora=self.lora)
         answer, reason = "", None
         while reason is None:
             if self._stop_requested:

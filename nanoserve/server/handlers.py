@@ -94,22 +94,24 @@ def metrics_page(state: ServerState) -> Response:
 
 
 def list_models(state: ServerState) -> dict:
-    """`GET /v1/models`: the one model served."""
-    return {"object": "list", "data": [model_card(state)]}
+    """`GET /v1/models`: the model served, then its LoRA adapters (week 22)."""
+    return {"object": "list", "data": [model_card(state, name) for name in (state.model_name, *state.engine.lora_names)]}
 
 
 def retrieve_model(state: ServerState, model_id: str) -> dict:
-    """`GET /v1/models/{id}`: the served model, or a 404 for any other id."""
-    if model_id != state.model_name:
-        raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{state.model_name}'",
-                       param="model", code="model_not_found")
-    return model_card(state)
+    """`GET /v1/models/{id}`: the served model or one of its adapters, or a 404 for any other id."""
+    check_model({"model": model_id}, state.model_name, state.engine.lora_names)
+    return model_card(state, model_id)
 
 
-def model_card(state: ServerState) -> dict:
-    """The served model, as OpenAI's model object (and its context length, as vLLM adds)."""
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanoserve",
+def model_card(state: ServerState, name: str) -> dict:
+    """A served model, as OpenAI's model object (and its context length, as vLLM adds; an adapter's
+    `parent` is the base model, as vLLM has it)."""
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve",
             "max_model_len": state.engine.max_model_len}
+    if name != state.model_name:
+        card["parent"] = state.model_name
+    return card
 
 
 # ----------------------------------------------------------------------------- the requests
@@ -131,7 +133,7 @@ async def read_json(state: ServerState, request: Request, model_required: bool =
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     if model_required or body.get("model") is not None:
-        check_model(body, state.model_name)
+        check_model(body, state.model_name, state.engine.lora_names)
     return body
 
 
@@ -233,8 +235,9 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
     priority = request_priority(body, state.engine.scheduling_policy)
     check_schema(body, chat)  # the last check before the engine: the body fits its published model
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id)
-    meta = dict(id=request_id, created=int(time.time()), model=state.model_name)
+    lora = body["model"] if body["model"] != state.model_name else None  # week 22: an adapter, by name
+    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id, lora)
+    meta = dict(id=request_id, created=int(time.time()), model=body["model"])
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
     total = len(streams)
     if stream:
@@ -260,7 +263,7 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
 
 
 async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: SamplingParams, n: int,
-                 priority: int, request_id: str) -> tuple[list, list[RequestOutput]]:
+                 priority: int, request_id: str, lora: str | None = None) -> tuple[list, list[RequestOutput]]:
     """Start every choice on the engine and await its first output: (the engine generators, their
     first outputs), choice k the (k % n)-th of prompt k // n. Every reason to refuse the request
     surfaces here, as an APIError, before a byte of the response is sent; the choices already
@@ -283,7 +286,7 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
             for k in wave:
                 name = request_id if total == 1 else f"{request_id}-{k}"
                 streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
-                                             request_id=name)
+                                             request_id=name, lora=lora)
             # admission errors surface here, before any byte is sent
             results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
             for k, result in zip(wave, results):

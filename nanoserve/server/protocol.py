@@ -277,13 +277,15 @@ def check_schema(body: dict, chat: bool) -> None:
         raise APIError(400, message, param=param or None) from None
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """400 without a string `model`; 404 for a model other than the one this server serves."""
+def check_model(body: dict, model_name: str, adapters: tuple[str, ...] = ()) -> None:
+    """400 without a string `model`; 404 for a model other than the one this server serves or one
+    of its LoRA adapters (week 22: a request names an adapter as its model, as with vLLM)."""
     model = _get(body, "model", (str,))
     if model is None:
         raise APIError(400, "'model' is required", param="model")
-    if model != model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+    if model != model_name and model not in adapters:
+        also = f" and the adapters {', '.join(adapters)}" if adapters else ""
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'{also}",
                        param="model", code="model_not_found")
 
 
