@@ -160,6 +160,8 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
     for (layer, module), ab in sorted(found.items()):
         adapter.pieces.setdefault((layer, our_layer(module)), []).append(
             _piece(path, config, layer, module, ab, rank, scale))
+    for pieces in adapter.pieces.values():
+        pieces.sort(key=lambda p: p.offset)  # in the layer's order: q, k, v; gate, up
     return adapter
 
 

@@ -135,8 +135,8 @@ class CUDAGraphDecoder:
         # and where each slot's group starts (all groups empty: no adapter, and the kernels return at once).
         self.lora = lora
         if lora is not None:
-            most = max([n] + [self.verify_sizes[-1] * self.verify_q[-1]] * bool(self.verify_sizes)
-                       + self.mixed_sizes[-1:])
+            verify = [self.verify_sizes[-1] * self.verify_q[-1]] if self.verify_sizes else []
+            most = max([n, *verify, *self.mixed_sizes[-1:]])  # the most tokens of any graph
             self.lora_order = torch.zeros(most, dtype=torch.int32, device=device)
             self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=device)
         if self.capture:

@@ -1,6 +1,8 @@
 """Week 22's fixtures: a tiny random checkpoint and PEFT adapters made on it (random A and B, B
 non-zero so every adapter changes the outputs), with HF + PEFT as the reference."""
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 def make_adapter(base, path: Path, r: int, targets: list[str], seed: int, alpha: float | None = None,
                  std: float = 0.25, **config) -> Path:
     """Save a PEFT LoRA adapter of `base` (a HF model, left unchanged) with seeded random A and B."""
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets,
-                                                      lora_dropout=0.0, **config))
+    with quiet():
+        model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets,
+                                                          lora_dropout=0.0, **config))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -29,9 +32,18 @@ def make_adapter(base, path: Path, r: int, targets: list[str], seed: int, alpha:
     return path
 
 
+@contextlib.contextmanager
+def quiet():
+    """A context without transformers' own deprecation warning, which peft's calls raise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
 def hf_greedy(base, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
     """HF transformers (+ PEFT with the adapter) greedy: the reference."""
-    model = base if adapter is None else peft.PeftModel.from_pretrained(base, str(adapter))
+    with quiet():
+        model = base if adapter is None else peft.PeftModel.from_pretrained(base, str(adapter))
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False)
