@@ -4,7 +4,6 @@ import pytest
 
 from conftest import hf_greedy
 from nanoserve.engine.engine import LLM
-from nanoserve.kernels.lora import add_lora_triton
 from nanoserve.sampling.params import SamplingParams
 
 PROMPTS = [[1, 45, 802, 13, 99, 7, 1200, 64, 3000, 18, 22, 5, 601, 77, 903, 12, 40, 41],
@@ -61,6 +60,9 @@ def test_the_triton_path_with_graph_buffers_equals_the_reference(tiny, adapters,
     """The Triton backend with CUDA graphs' static buffers and padding (nothing captured on the
     CPU): the LoRA rows go through the graphs' fixed buffers into the kernels, run by the
     interpreter; decode, mixed (chunked prefill) steps and a batch padded to a captured size."""
+    pytest.importorskip("triton", reason="the Triton backend needs the triton package: pip install triton (Linux)")
+    from nanoserve.kernels.lora import add_lora_triton
+
     triton = LLM(str(tiny[0]), device="cpu", attention_backend="triton", cuda_graphs=True, max_num_seqs=8,
                  max_num_batched_tokens=64, lora_modules={k: str(v) for k, v in adapters.items()}, max_loras=3)
     assert triton.engine.runner.graphs is not None and triton.engine.runner.graphs.lora is not None
