@@ -72,7 +72,8 @@ def test_an_adapter_in_use_is_not_unloaded(server):
     body = {"model": "attn8", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
     with server.slowed(0.02), httpx.stream("POST", server.url + "/v1/completions", headers=KEY, json=body,
                                            timeout=30) as answer:
-        next(answer.iter_lines())  # it runs
+        lines = answer.iter_lines()  # kept: a dropped iterator closes the stream (the request is aborted)
+        next(lines)  # it runs
         r = httpx.post(server.url + "/v1/unload_lora_adapter", headers=KEY, json={"lora_name": "attn8"})
         assert r.status_code == 400 and "adapter 'attn8' is in use by 1 request" in r.json()["error"]["message"]
     assert server.wait_idle()
