@@ -27,7 +27,8 @@ def make_adapter(base, path: Path, r: int, targets: list[str], seed: int, alpha:
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-    model.save_pretrained(path)
+    with quiet():
+        model.save_pretrained(path)
     model.unload()  # the base model's own modules back, for the next adapter
     return path
 
@@ -37,19 +38,22 @@ def quiet():
     """A context without transformers' own deprecation warning, which peft's calls raise."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)  # GGUF's folder
         yield
 
 
 def hf_greedy(base, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
-    """HF transformers (+ PEFT with the adapter) greedy: the reference."""
+    """HF transformers (+ PEFT with the adapter) greedy, the reference: n argmax tokens, EOS or not (as
+    nanoserve's `ignore_eos`; HF's `generate` with `min_new_tokens` would forbid EOS instead)."""
     with quiet():
         model = base if adapter is None else peft.PeftModel.from_pretrained(base, str(adapter))
+    ids = list(prompt)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     if adapter is not None:
         model.unload()
-    return out[0, len(prompt):].tolist()
+    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="session")
