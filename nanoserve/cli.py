@@ -90,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.no_cache:  # week 2's loop: recompute the whole sequence for every token
         if args.lora is not None:
-            raise SystemExit("nanoserve generate: --lora runs on the engine; drop --no-cache")
+            raise ValueError("--lora runs on the engine (with its KV cache): drop --no-cache")
         return _generate_no_cache(args, args.device or _default_device(), DTYPES[args.dtype or "float32"])
     lora = with_lora_adapter(args)
     engine = Engine(EngineConfig.from_args(args))

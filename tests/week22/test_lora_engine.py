@@ -72,3 +72,20 @@ def test_the_triton_path_with_graph_buffers_equals_the_reference(tiny, adapters,
     got = triton.generate([p for p, _ in requests], params, lora=[name for _, name in requests])
     want = [llm.generate(p, params, lora=name)[0].token_ids for p, name in requests]
     assert [out.token_ids for out in got] == want
+
+
+@pytest.mark.parametrize("options", [dict(speculative="ngram", num_speculative_tokens=3),
+                                     dict(async_scheduling=True, attention_backend="triton", cuda_graphs=True),
+                                     dict(enable_chunked_prefill=False, max_num_batched_tokens=4096)],
+                         ids=["ngram-speculation", "async-scheduling", "no-chunking"])
+def test_adapters_under_the_other_engine_paths(tiny, adapters, llm, options):
+    """Speculative verification steps (k + 1 rows per sequence, all under its adapter), async
+    scheduling (inputs fed from the last step's tokens) and unchunked prefill give the same tokens."""
+    if options.get("attention_backend") == "triton":
+        pytest.importorskip("triton", reason="the Triton backend needs the triton package")
+    other = LLM(str(tiny[0]), device="cpu", lora_modules={k: str(v) for k, v in adapters.items()}, max_loras=3,
+                **options)
+    requests = mixed_requests()[:8]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = other.generate([p for p, _ in requests], params, lora=[name for _, name in requests])
+    assert [out.token_ids for out in got] == [llm.generate(p, params, lora=n)[0].token_ids for p, n in requests]
