@@ -276,8 +276,10 @@ class LoRALinear(nn.Module):
         self.base, self.state = base, state
         rank = state.max_rank * num_pieces
         w = base.weight
-        self.lora_a = torch.zeros(state.max_loras, rank, w.shape[1], dtype=w.dtype, device=w.device)
-        self.lora_b = torch.zeros(state.max_loras, w.shape[0], rank, dtype=w.dtype, device=w.device)
+        self.register_buffer("lora_a", torch.zeros(state.max_loras, rank, w.shape[1], dtype=w.dtype, device=w.device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(state.max_loras, w.shape[0], rank, dtype=w.dtype, device=w.device),
+                             persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -139,6 +139,8 @@ class CUDAGraphDecoder:
             most = max([n, *verify, *self.mixed_sizes[-1:]])  # the most tokens of any graph
             self.lora_order = torch.zeros(most, dtype=torch.int32, device=device)
             self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=device)
+            self.host_lora_order = torch.zeros(most, dtype=torch.int32, pin_memory=pin)
+            self.host_lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, pin_memory=pin)
         if self.capture:
             self._capture()
 
@@ -148,14 +150,18 @@ class CUDAGraphDecoder:
             self.lora.rows = LoRARows(self.lora_order[:num_tokens], self.lora_starts)
 
     def stage_lora(self, step: StepInput) -> None:
-        """Week 22: write the step's rows by adapter slot into the buffers (padding rows use none). The
-        host lists are fresh each step, so the asynchronous copies never race a refill."""
+        """Week 22: write the step's rows by adapter slot into the buffers (padding rows use none),
+        through pinned mirrors as the other inputs. Called after a `stage*`, which waited for the
+        last step's copies out of the mirrors; the event is recorded again once these are sent."""
         if self.lora is None:
             return
         order, starts = group_rows(step.lora_slots, self.lora.max_loras)
+        self.host_lora_starts.numpy()[:] = starts
+        self.lora_starts.copy_(self.host_lora_starts, non_blocking=True)
         if order:
-            self.lora_order[: len(order)].copy_(torch.tensor(order, dtype=torch.int32), non_blocking=True)
-        self.lora_starts.copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+            self.host_lora_order.numpy()[: len(order)] = order
+            self.lora_order[: len(order)].copy_(self.host_lora_order[: len(order)], non_blocking=True)
+        self.copies_sent()
 
     def _forward(self, bs: int) -> torch.Tensor:
         """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
