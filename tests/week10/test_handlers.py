@@ -17,7 +17,7 @@ from nanoserve.server.protocol import APIError
 def fake_engine(failed: str | None = None) -> SimpleNamespace:
     tokenizer = SimpleNamespace(encode=lambda text: [1] * len(text.split()), takes_tools=False)
     return SimpleNamespace(tokenizer=tokenizer, max_model_len=32, vocab_size=100, failed=failed,
-                           num_pending=2, kv_blocks=lambda: (5, 8), scheduling_policy="fcfs")
+                           num_pending=2, kv_blocks=lambda: (5, 8), scheduling_policy="fcfs", lora_names=())
 
 
 def state(**kwargs) -> ServerState:
