@@ -22,6 +22,7 @@ from nanoserve.server.schema import Strict, request_body
 from nanoserve.server.tokenizer_api import validated
 
 LOAD_PATH, UNLOAD_PATH = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+DOCS = "docs/lora.md"  # where an unknown field's error points
 
 
 class LoadLoRAAdapterRequest(Strict):
@@ -43,14 +44,14 @@ LORA_REQUEST_MODELS = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 
 async def load_adapter(state: ServerState, request: Request) -> dict:
     body = await read_json(state, request, model_required=False)
-    req = validated(LoadLoRAAdapterRequest, body, LOAD_PATH)
+    req = validated(LoadLoRAAdapterRequest, body, LOAD_PATH, DOCS)
     await change(state, state.engine.load_lora(req.lora_name, req.lora_path), req.lora_name)
     return {"object": "lora_adapter", "id": req.lora_name, "loaded": True}
 
 
 async def unload_adapter(state: ServerState, request: Request) -> dict:
     body = await read_json(state, request, model_required=False)
-    req = validated(UnloadLoRAAdapterRequest, body, UNLOAD_PATH)
+    req = validated(UnloadLoRAAdapterRequest, body, UNLOAD_PATH, DOCS)
     if req.lora_name not in state.engine.lora_names:
         raise APIError(404, f"no adapter '{req.lora_name}' is loaded", param="lora_name", code="model_not_found")
     await change(state, state.engine.unload_lora(req.lora_name), req.lora_name)

@@ -141,14 +141,15 @@ def tokenizer_info(state: ServerState) -> dict:
 # ---------------------------------------------------------------------------- reading a body
 
 
-def validated(model: type[BaseModel], body: dict, path: str) -> BaseModel:
+def validated(model: type[BaseModel], body: dict, path: str,
+              docs: str = 'docs/openai_api.md, "Tokenizer endpoints"') -> BaseModel:
     """The body as `model`, or a 400 naming the first field at fault (`schema.first_error`).
     `null` counts as absent, as everywhere in this API, but an unknown field is refused even
     when it is null (the published schema has no such field: found by the fuzz)."""
     for name in body:  # said plainly, as `protocol.check_fields` says it for /v1/*
         if name not in model.model_fields:
             raise APIError(400, f"unknown field '{name}': {path} does not take it, and this server refuses what "
-                                "it would otherwise ignore (docs/openai_api.md, \"Tokenizer endpoints\")", param=name)
+                                f"it would otherwise ignore ({docs})", param=name)
     body = {name: value for name, value in body.items() if value is not None}
     try:
         return model.model_validate(body)
