@@ -148,8 +148,12 @@ class AsyncEngine:
         # <<< week10: async-generate
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Week 22: `Engine.add_lora` on the engine thread (its ValueError raised here)."""
-        await self._on_engine_thread(lambda engine: engine.add_lora(name, path))
+        """Week 22: the adapter read and checked on a worker thread (the steps go on), then
+        `Engine.add_lora` on the engine thread. Their ValueErrors are raised here."""
+        import asyncio
+
+        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
+        await self._on_engine_thread(lambda engine: engine.add_lora(name, adapter))
 
     async def unload_lora(self, name: str) -> None:
         """Week 22: `Engine.remove_lora` on the engine thread (its ValueError raised here)."""

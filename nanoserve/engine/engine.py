@@ -34,7 +34,7 @@ from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
-from nanoserve.model.lora import read_adapter
+from nanoserve.model.lora import Adapter, read_adapter
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -206,14 +206,20 @@ class Engine:
             raise ValueError(f"unknown adapter {name!r}; loaded: {known}{off}")
         return self.loras[name]
 
-    def add_lora(self, name: str, path: str | os.PathLike) -> None:
-        """Load a PEFT LoRA adapter into host memory under `name` (checked against the model: a
-        ValueError says why not); it goes to a device slot when a request first uses it."""
+    def read_lora(self, name: str, path: str | os.PathLike) -> Adapter:
+        """Read a PEFT LoRA adapter and check it against the model and the names loaded (a ValueError
+        says why not). Changes nothing: the server runs it off the engine thread, then `add_lora`."""
         if self.runner.lora is None:
             raise ValueError("this engine has no LoRA layers: start it with --lora-modules or --max-loras")
         if not name or name == self.model_name or name in self.loras:
             raise ValueError(f"adapter name {name!r} is {'taken' if name else 'empty'}: pick another")
-        adapter = read_adapter(path, name, self.model.config, self.config.max_lora_rank, base_model=self.model_name)
+        return read_adapter(path, name, self.model.config, self.config.max_lora_rank, base_model=self.model_name)
+
+    def add_lora(self, name: str, adapter: str | os.PathLike | Adapter) -> None:
+        """Load a LoRA adapter (a PEFT folder, or what `read_lora` read) into host memory under `name`;
+        it goes to a device slot when a request first uses it."""
+        if not isinstance(adapter, Adapter) or name in self.loras:  # (a name may have been taken meanwhile)
+            adapter = self.read_lora(name, adapter.path if isinstance(adapter, Adapter) else adapter)
         lora_id = next(self._lora_ids)
         self.runner.lora.add(lora_id, adapter)
         self.loras[name] = lora_id

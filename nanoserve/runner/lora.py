@@ -29,6 +29,12 @@ class AdapterPool:
         self.num_evictions = 0
 
     def add(self, lora_id: int, adapter: Adapter) -> None:
+        """Keep an adapter on the host, in the slots' dtype (and in pinned memory beside a GPU, so that
+        loading it into a slot is an asynchronous copy)."""
+        a = next(iter(self.layers.values())).lora_a
+        for pieces in adapter.pieces.values():
+            for p in pieces:
+                p.a, p.b = (t.to(a.dtype).pin_memory() if a.is_cuda else t.to(a.dtype) for t in (p.a, p.b))
         self.adapters[lora_id] = adapter
 
     def remove(self, lora_id: int) -> None:
