@@ -37,7 +37,8 @@ from torch import nn
 
 from nanoserve.model.config import ModelConfig
 
-# Our fused layer, its PEFT module names, and the slice of its output each one fills (see `_slices`).
+# Our adaptable layers: the module of a decoder layer that holds each, and the PEFT modules it fuses
+# (each fills a slice of its output: `_slices`).
 LAYERS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
           "o_proj": ("self_attn", ("o_proj",)),
           "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
@@ -283,11 +284,9 @@ class LoRALinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
+        """The base layer's weight, as a Linear has it (week 12's `gate_up_silu` reads it, then sees
+        that this is no plain product and runs the layer)."""
         return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.base.weight, self.base.bias)

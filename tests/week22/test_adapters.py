@@ -147,3 +147,16 @@ def test_peft_names_of_fused_modules(tiny, tmp_path):
     expected = hf_greedy(hf, separate, PROMPT, 8)
     assert llm.generate(PROMPT, GREEDY, lora="fused")[0].token_ids == expected
     assert llm.generate(PROMPT, GREEDY, lora="separate")[0].token_ids == expected
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_adapters_on_other_families(tmp_path, family):
+    """Week 19's families adapt the same layers: Qwen2's biased q/k/v (the bias stays the base's),
+    Gemma 3's GELU MLP, q/k norms and sliding windows."""
+    from nanoserve.testing import make_family_checkpoint
+
+    path, hf = make_family_checkpoint(tmp_path / family, family)
+    adapter = make_adapter(hf, tmp_path / "adapter", 4, ATTENTION + MLP, seed=11, std=0.1)
+    llm = LLM(str(path), device="cpu", lora_modules={"a": str(adapter)})
+    prompt = PROMPT + [17, 23, 501, 9]  # past Gemma's window of 8
+    assert llm.generate(prompt, GREEDY, lora="a")[0].token_ids == hf_greedy(hf, adapter, prompt, 8)
