@@ -2,6 +2,7 @@
 non-zero so every adapter changes the outputs), with HF + PEFT as the reference."""
 
 import contextlib
+import copy
 import warnings
 from pathlib import Path
 
@@ -43,17 +44,19 @@ def quiet():
 
 
 def hf_greedy(base, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
-    """HF transformers (+ PEFT with the adapter) greedy, the reference: n argmax tokens, EOS or not (as
-    nanoserve's `ignore_eos`; HF's `generate` with `min_new_tokens` would forbid EOS instead)."""
+    """HF transformers (+ PEFT with the adapter) greedy, the reference: n tokens, EOS or not, as
+    nanoserve's `ignore_eos` (`min_new_tokens` would forbid EOS instead), every prompt token
+    attended (no attention mask guessed from a pad token)."""
     with quiet():
         model = base if adapter is None else peft.PeftModel.from_pretrained(base, str(adapter))
-    ids = list(prompt)
+    config = copy.deepcopy(base.generation_config)
+    config.update(eos_token_id=None, pad_token_id=0, do_sample=False, max_new_tokens=n, min_new_tokens=None)
     with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             generation_config=config)
     if adapter is not None:
         model.unload()
-    return ids[len(prompt):]
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -75,14 +75,12 @@ def test_the_triton_path_with_graph_buffers_equals_the_reference(tiny, adapters,
 
 
 @pytest.mark.parametrize("options", [dict(speculative="ngram", num_speculative_tokens=3),
-                                     dict(async_scheduling=True, attention_backend="triton", cuda_graphs=True),
+                                     dict(async_scheduling=True),
                                      dict(enable_chunked_prefill=False, max_num_batched_tokens=4096)],
                          ids=["ngram-speculation", "async-scheduling", "no-chunking"])
 def test_adapters_under_the_other_engine_paths(tiny, adapters, llm, options):
     """Speculative verification steps (k + 1 rows per sequence, all under its adapter), async
     scheduling (inputs fed from the last step's tokens) and unchunked prefill give the same tokens."""
-    if options.get("attention_backend") == "triton":
-        pytest.importorskip("triton", reason="the Triton backend needs the triton package")
     other = LLM(str(tiny[0]), device="cpu", lora_modules={k: str(v) for k, v in adapters.items()}, max_loras=3,
                 **options)
     requests = mixed_requests()[:8]
