@@ -161,9 +161,13 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
     for (layer, module), ab in sorted(found.items()):
         adapter.pieces.setdefault((layer, our_layer(module)), []).append(
             _piece(path, config, layer, module, ab, rank, scale))
-    for pieces in adapter.pieces.values():
+    for (layer, ours), pieces in adapter.pieces.items():
+        whole = _slices(config, ours)[ours][1]  # the layer's output rows: a piece of them all is a fused module's
+        if len(pieces) > 1 and any(p.b.shape[0] == whole for p in pieces):
+            raise AdapterError(f"{path}: layer {layer} adapts {ours} both whole and in parts (fused and split names)")
         pieces.sort(key=lambda p: p.offset)  # in the layer's order: q, k, v; gate, up
     return adapter
+
 
 
 def _read_tensors(path: Path, weights: Path, config: ModelConfig) -> dict[tuple[int, str], dict[str, torch.Tensor]]:

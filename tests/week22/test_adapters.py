@@ -160,3 +160,14 @@ def test_adapters_on_other_families(tmp_path, family):
     llm = LLM(str(path), device="cpu", lora_modules={"a": str(adapter)})
     prompt = PROMPT + [17, 23, 501, 9]  # past Gemma's window of 8
     assert llm.generate(prompt, GREEDY, lora="a")[0].token_ids == hf_greedy(hf, adapter, prompt, 8)
+
+
+def test_fused_and_split_names_of_one_layer_are_refused(adapters, config, tmp_path):
+    both = edited(adapters["qv2"], tmp_path / "both")
+    tensors = load_file(adapters["qv2"] / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.self_attn.qkv_proj."
+    tensors[name + "lora_A.weight"] = torch.zeros(2, 64)
+    tensors[name + "lora_B.weight"] = torch.zeros(config.q_size + 2 * config.kv_size, 2)
+    save_file(tensors, both / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="layer 0 adapts qkv_proj both whole and in parts"):
+        read_adapter(both, "both", config, max_rank=16)
