@@ -171,3 +171,16 @@ def test_fused_and_split_names_of_one_layer_are_refused(adapters, config, tmp_pa
     save_file(tensors, both / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="layer 0 adapts qkv_proj both whole and in parts"):
         read_adapter(both, "both", config, max_rank=16)
+
+
+def test_what_lora_does_not_combine_with_is_refused_at_once():
+    from nanoserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism do not take them yet"):
+        EngineConfig(max_loras=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism do not take them yet"):
+        EngineConfig(lora_modules={"a": "/x"}, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="at least one device slot"):
+        EngineConfig(lora_modules={"a": "/x"}, max_loras=0)
+    assert (EngineConfig(lora_modules={"a": "/x"}).max_loras, EngineConfig().max_loras) == (4, 0)
+    assert EngineConfig(max_loras=2).max_lora_rank == 16
