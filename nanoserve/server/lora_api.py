@@ -45,6 +45,8 @@ LORA_REQUEST_MODELS = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 async def load_adapter(state: ServerState, request: Request) -> dict:
     body = await read_json(state, request, model_required=False)
     req = validated(LoadLoRAAdapterRequest, body, LOAD_PATH, DOCS)
+    if req.lora_name == state.model_name:
+        raise APIError(400, f"'{req.lora_name}' is the served model's name: pick another", param="lora_name")
     await change(state, state.engine.load_lora(req.lora_name, req.lora_path), req.lora_name)
     return {"object": "lora_adapter", "id": req.lora_name, "loaded": True}
 
@@ -67,7 +69,9 @@ async def change(state: ServerState, done, name: str) -> None:
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    """The two routes, on the server's app."""
+    """The two routes, on the server's app (and no adapter named as the served model: it would be unreachable)."""
+    if state.model_name in state.engine.lora_names:
+        raise ValueError(f"an adapter is named {state.model_name!r}, as the served model: rename one of them")
 
     @app.post(LOAD_PATH, openapi_extra=request_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request):

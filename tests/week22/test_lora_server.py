@@ -49,6 +49,7 @@ def test_load_and_unload_at_run_time(server, adapters, tmp_path):
         ({"lora_name": "big", "lora_path": str(adapters["all16"]) + "/missing"}, 400, "no adapter_config.json"),
         ({"lora_name": "mlp4", "lora_path": str(adapters["qv2"])}, 400, "adapter name 'mlp4' is taken"),
         ({"lora_name": "x"}, 400, "lora_path"),
+        ({"lora_name": "base", "lora_path": str(adapters["qv2"])}, 400, "the served model's name"),
         ({"lora_name": "x", "lora_path": "y", "extra": 1}, 400, "unknown field 'extra'"),
     ]:
         r = post("/v1/load_lora_adapter", body)
@@ -78,3 +79,9 @@ def test_an_adapter_in_use_is_not_unloaded(server):
         assert r.status_code == 400 and "adapter 'attn8' is in use by 1 request" in r.json()["error"]["message"]
     assert server.wait_idle()
     assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=KEY).json()["data"]][:2] == ["base", "attn8"]
+
+
+def test_an_adapter_named_as_the_served_model_is_refused(tiny, adapters):
+    with pytest.raises(ValueError, match="an adapter is named 'base', as the served model"):
+        ServerThread(engine_kwargs=dict(model=str(tiny[0]), lora_modules={"base": str(adapters["qv2"])}),
+                     model_name="base")
