@@ -84,12 +84,25 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
 ONE_SHOT_MAX_BYTES = 2 << 20
 
 
+# The device groups whose buffers this process has mapped. PyTorch's symmetric memory keeps what it learns
+# about a group, by the group's name, for the life of the process; a later engine in the same process makes
+# its group anew under the same name, and its rendezvous waited forever (on two H100s, 2026-11-27: a second
+# `LLM(..., tensor_parallel_size=2)` in one pytest process). Such an engine sums with NCCL instead.
+MAPPED_GROUP_NAMES: set[str] = set()
+
+
 def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllReduce | None:
     """Week 20: the one-shot all-reduce for this group's small messages, if its ranks share a
     host (peer-to-peer memory does not cross hosts) and this PyTorch can map the buffers;
     otherwise None, and NCCL does every sum. Every rank calls this at the same point."""
     if not one_host(group):
         return None
+    name = group.device_group.group_name
+    if not min_over_ranks(group, int(name not in MAPPED_GROUP_NAMES)):
+        warnings.warn(f"a second tensor-parallel engine in this process: NCCL does every sum (symmetric memory "
+                      f"remembers group {name!r} of the first one for the life of the process)", stacklevel=2)
+        return None
+    MAPPED_GROUP_NAMES.add(name)
     one_shot = None
     try:
         one_shot = OneShotAllReduce(group, dtype, device, ONE_SHOT_MAX_BYTES)
