@@ -12,6 +12,7 @@ import torch
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP
+from nanoserve.model.quantized import SCHEMES as QUANTIZATION_SCHEMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +63,8 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group); None: off
+    quantization_group_size: int = 128  # inputs that share one scale and offset
 
     @property
     def world_size(self) -> int:
@@ -77,6 +80,11 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"unknown quantization {self.quantization!r}: one of {', '.join(QUANTIZATION_SCHEMES)}")
+        if self.quantization is not None and self.world_size > 1:
+            raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
+                             "unquantized layers")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         if self.ray_placement != "pack" and self.distributed_executor != "ray":
@@ -152,6 +160,11 @@ class EngineConfig:
                        help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
                             "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
                             "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
+        p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
+                       help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
+                            "load; activations stay in --dtype (default: off)")
+        p.add_argument("--quantization-group-size", type=int, default=128,
+                       help="with --quantization: inputs that share one scale and offset (default: %(default)s)")
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")

@@ -14,8 +14,10 @@ from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.pipeline import build_stage_model
 from nanoserve.engine.step_channel import one_host
+from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
 from nanoserve.model.loader import load_model
+from nanoserve.model.quantized import quantize_model
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
 from nanoserve.runner.pipeline import PipelineRunner
 from nanoserve.runner.runner import ModelRunner
@@ -50,6 +52,10 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
         if c.all_reduce == "auto" and device.startswith("cuda"):  # week 20
             group.one_shot = one_shot_all_reduce(group, dtype, device)
+    if c.quantization is not None:  # issue 33: the projections as grouped codes, before the pool is sized
+        quantize_model(model, c.quantization, c.quantization_group_size)
+        if device.startswith("cuda"):
+            use_quantized_kernels(model)
     cfg = model.config
     max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     # Week 12: CUDA graphs for decode steps and fused kernels (Triton backend; on by default on
