@@ -40,6 +40,8 @@ class EngineConfig:
     preemption: bool = True  # week 9
     enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
     # continuous batching (it costs nothing measurable without sharing), once week 14 is done (see below)
+    cpu_offload_gb: float = 0.0  # issue 35: GiB of (pinned) host memory per rank for a CPU tier behind the prefix
+    # cache: blocks the GPU pool evicts are kept there and copied back on a hit; 0: off
     enable_chunked_prefill: bool | None = None  # week 15: decodes first, prompts in chunks; default: on with
     # continuous batching (it won at every load measured: docs/benchmarks.md), once week 15 is done (see below)
     scheduling_policy: str = "fcfs"  # or "priority" (continuous batching): lower priority values run first
@@ -75,6 +77,8 @@ class EngineConfig:
             self.enable_chunked_prefill = self.batching == "continuous" and 15 not in stubbed_weeks()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: GiB of host memory, 0 (off) or more")
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
         if self.ray_placement not in RAY_PLACEMENTS:
@@ -111,6 +115,10 @@ class EngineConfig:
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
                             "continuous batching)")
+        p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                       help="GiB of pinned host memory per rank for a CPU tier behind the prefix cache: blocks "
+                            "evicted from the GPU pool are copied there and brought back on a hit instead of "
+                            "being recomputed (needs prefix caching; default: %(default)s, off)")
         p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="order of the queue and of preemption (continuous batching): arrival, or each request's "
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")

@@ -80,6 +80,9 @@ class Engine:
             raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
                              "parallel engine: it needs tensor_parallel_size > 1 (or pipeline_parallel_size > 1)")
         check_pipeline_config(c, model_dir)  # week 20: what stages refuse, said before any process starts
+        if c.cpu_offload_gb and not (self._prefix_caching() and c.batching == "continuous"):
+            raise ValueError("--cpu-offload-gb keeps the blocks the prefix cache evicts: it needs prefix caching "
+                             "(--enable-prefix-caching, with continuous batching)")
         if c.world_size > 1:
             group, self.workers = start_tensor_parallel(c)
         try:
@@ -97,7 +100,7 @@ class Engine:
         self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, batching=c.batching, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
-                                   scheduling=c.scheduling_policy)
+                                   scheduling=c.scheduling_policy, cpu_blocks=side.num_cpu_blocks)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
                           "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
@@ -240,7 +243,8 @@ class Engine:
 
     def prefix_cache_stats(self) -> dict | None:
         """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
-        prefix caching is off."""
+        prefix caching is off. With a CPU tier (`cpu_offload_gb`) also the hits of each tier (GPU
+        and CPU hit tokens), the blocks offloaded and reloaded, and the CPU tier's evictions."""
         return self.scheduler.allocator.stats() if self.scheduler.prefix_caching else None
 
     # -- the loop ---------------------------------------------------------------------------------

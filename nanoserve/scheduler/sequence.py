@@ -117,6 +117,10 @@ class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_samples: list[int] = field(default_factory=list)  # default: 1 per sequence
+    # The CPU tier (nanoserve/scheduler/cpu_tier.py): block copies to run before the forward pass,
+    # offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    reloads: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_samples:
