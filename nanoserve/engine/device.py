@@ -74,16 +74,17 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     num_blocks = c.num_blocks
     if num_blocks is None:
         num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args, runner_class)
-    cpu_blocks = cpu_tier_blocks(c, model, dtype)
-    if group is not None:  # the block tables (and the CPU tier's slots) must fit on every rank (of every stage)
+    runner_args["cpu_blocks"] = cpu_tier_blocks(c, model, dtype, group)  # (not in the measured step's runner)
+    if group is not None:  # the block tables must fit on every rank (of every stage)
         num_blocks = min_over_ranks(group, num_blocks)
-        cpu_blocks = min_over_ranks(group, cpu_blocks)
-    runner = runner_class(model, num_blocks, c.block_size, cpu_blocks=cpu_blocks, **runner_args)
-    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing, cpu_blocks)
+    runner = runner_class(model, num_blocks, c.block_size, **runner_args)
+    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing,
+                      runner_args["cpu_blocks"])
 
 
-def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype) -> int:
-    """How many blocks of this rank's pool (its heads, its layers) `cpu_offload_gb` holds; 0: no tier."""
+def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=None) -> int:
+    """How many blocks of this rank's pool (its heads, its layers) `cpu_offload_gb` holds, the
+    fewest over the ranks of `group` (the scheduler's slots must exist on every rank); 0: no tier."""
     if not c.cpu_offload_gb:
         return 0
     cfg = model.config
@@ -92,7 +93,7 @@ def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype) -> int:
     if slots < 1:
         raise ValueError(f"--cpu-offload-gb {c.cpu_offload_gb} holds no KV block ({per_block} bytes each): "
                          "give it more, or 0 to turn the CPU tier off")
-    return slots
+    return slots if group is None else min_over_ranks(group, slots)
 
 
 # The one-shot all-reduce up to this size, NCCL above: on two H100s (NV18) in CUDA graphs the one-shot

@@ -117,10 +117,6 @@ class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_samples: list[int] = field(default_factory=list)  # default: 1 per sequence
-    # The CPU tier (nanoserve/scheduler/cpu_tier.py): block copies to run before the forward pass,
-    # offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
-    offloads: list[tuple[int, int]] = field(default_factory=list)
-    reloads: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_samples:
@@ -134,3 +130,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    # Issue 35, the CPU tier behind the prefix cache (nanoserve/scheduler/cpu_tier.py): block copies
+    # to run before the forward pass, offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    reloads: list[tuple[int, int]] = field(default_factory=list)

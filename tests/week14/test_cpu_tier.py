@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.paged import PagedKVCache
+from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
@@ -198,6 +199,7 @@ def test_random_runs_keep_both_tiers_consistent_and_every_read_right(requests, n
     writes on `PoolContents`, every position a sequence reads holds its own prefix's K/V."""
     rng = random.Random(len(requests) * 31 + num_blocks)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 14))] for _ in range(4)]
+    chunked = chunked and 15 not in stubbed_weeks()  # (in a learner's workspace before week 15: a stub)
     s = Scheduler(num_blocks, block_size, max_num_seqs=6, max_num_batched_tokens=16 if chunked else 64,
                   max_model_len=256, prefix_caching=True, chunked_prefill=chunked, cpu_blocks=cpu_slots)
     arrivals, seqs = fitting_arrivals(s, [
@@ -293,6 +295,8 @@ def conversations(llm, num_conversations=3, turns=3):
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_outputs_equal_without_caching_and_gpu_only_with_fewer_tokens_prefilled(ckpt, chunked):
+    if chunked and 15 in stubbed_weeks():
+        pytest.skip("chunked prefill is week 15's exercise, still a stub in this workspace")
     path, _ = ckpt
     runs = {}
     for name, kw in [("off", dict(enable_prefix_caching=False)), ("gpu", dict(enable_prefix_caching=True)),
