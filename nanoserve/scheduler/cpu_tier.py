@@ -153,6 +153,7 @@ class TieredPrefixAllocator(PrefixCachingAllocator):
         self.match_cpu_tokens = 0  # of the last `match`: tokens found in the CPU tier
 
     def evict(self) -> int:
+        """Week 14's eviction, and the evicted name (with an offload of its content) into the CPU tier."""
         name = self.hash_of_block[next(iter(self.evictable))]
         block = super().evict()
         self.cpu.store(name, block)
@@ -163,7 +164,9 @@ class TieredPrefixAllocator(PrefixCachingAllocator):
         """Week 14's `match` over both tiers: block by block, a name on the GPU is held once more;
         one in the CPU tier gets a GPU block (allocated now, so it may evict another) and a
         reload, and is named there. The chain stops at the first name in neither tier, or at a
-        CPU hit when the pool has no block left to bring it back into."""
+        CPU hit when the pool has no block left to bring it back into. (Week 14's loop holds its
+        hits after the walk; here each is held at once, so that the allocation of a later CPU hit
+        cannot evict an earlier block of the same chain.)"""
         num_blocks = len(names) if num_blocks is None else num_blocks
         blocks, from_cpu = [], 0
         for i in range(num_blocks):
@@ -196,6 +199,7 @@ class TieredPrefixAllocator(PrefixCachingAllocator):
         return block
 
     def register(self, block: int, h: bytes) -> None:
+        """Week 14's naming of a filled block; a name the GPU now holds leaves the CPU tier."""
         super().register(block, h)
         if self.hash_of_block.get(block) == h:  # the GPU holds it now: one tier only
             self.cpu.discard(h)
