@@ -56,6 +56,8 @@ def rank_main(rank: int, size: int, port: int, out: str | None, calls: int, repe
     from nanoserve.model.tensor_parallel import Group, OneShotAllReduce
 
     torch.cuda.set_device(rank)
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)  # no NVLink multicast, as the engine (`init_group`)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=torch.device("cuda", rank))
     group = Group(rank, size, dist.group.WORLD, None)

@@ -92,6 +92,12 @@ def init_group(rank: int, size: int, init_method: str, device: str, timeout: flo
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
+        # NVLink multicast (NVLS; symmetric memory's multimem objects) stays off unless the environment
+        # says otherwise: nanoserve's collectives are written without it (the one-shot all-reduce reads
+        # peers' buffers one by one), and some shared machines forbid it.
+        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                            ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(name, value)
     else:  # CPU ranks share the machine's cores: more threads than cores makes every collective wait
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     wait = datetime.timedelta(seconds=timeout)

@@ -170,3 +170,20 @@ def test_a_tensor_parallel_server_ends_every_rank_on_a_signal(stop):
         for p in [proc, *ranks]:
             if p.poll() is None if hasattr(p, "poll") else p.is_running():
                 p.kill()
+
+
+def test_an_engine_that_goes_out_of_scope_ends_its_ranks():
+    """No `close`, no `with`: the last reference goes, and the worker rank is gone within 10 s
+    (the engine's finalizer stops it)."""
+    import gc
+
+    import psutil
+
+    llm = LLM("tiny", tensor_parallel_size=2, **CPU)
+    assert tokens(llm, PROMPTS[:1])
+    ranks = [psutil.Process(p.pid) for p in llm.engine.workers.procs]
+    started = time.monotonic()
+    del llm
+    gc.collect()
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, f"a rank outlived its engine by {time.monotonic() - started:.1f} s"
