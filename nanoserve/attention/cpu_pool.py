@@ -65,9 +65,7 @@ class CPUKVPool:
     def offload(self, cache: PagedKVCache, offloads: list[tuple[int, int]]) -> None:
         if not offloads:
             return
-        blocks = torch.tensor([b for b, _ in offloads], dtype=torch.long, device=self.device)
-        # [layers, n, block_size, heads, head_dim] twice -> [n, layers, 2, block_size, heads, head_dim]
-        staged = torch.stack((cache.k[:, blocks], cache.v[:, blocks]), dim=2).transpose(0, 1).contiguous()
+        staged = cache.read_blocks([b for b, _ in offloads])  # [n, layers, 2, block_size, heads, head_dim]
         for i, (_, slot) in enumerate(offloads):  # in order: a slot written twice keeps the later block
             self.slots[slot].copy_(staged[i], non_blocking=True)
 
@@ -77,9 +75,7 @@ class CPUKVPool:
         staged = torch.empty((len(reloads), *self.slots.shape[1:]), dtype=self.slots.dtype, device=self.device)
         for i, (slot, _) in enumerate(reloads):
             staged[i].copy_(self.slots[slot], non_blocking=True)
-        blocks = torch.tensor([b for _, b in reloads], dtype=torch.long, device=self.device)
-        cache.k[:, blocks] = staged[:, :, 0].transpose(0, 1)  # [layers, n, block_size, heads, head_dim]
-        cache.v[:, blocks] = staged[:, :, 1].transpose(0, 1)
+        cache.write_blocks([b for _, b in reloads], staged)
 
     @staticmethod
     def num_slots_for(num_bytes: int, bytes_per_block: int) -> int:
