@@ -64,6 +64,10 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+    kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
+    kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
+    kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
+    kv_transfer_timeout: float = 30.0  # issue 35: seconds a KV transfer may take before its request fails
 
     @property
     def world_size(self) -> int:
@@ -81,6 +85,10 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: GiB of host memory, 0 (off) or more")
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role={self.kv_role!r}: 'prefill' or 'decode' (or None: an engine that does both)")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout}: seconds, more than 0")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         if self.ray_placement != "pack" and self.distributed_executor != "ray":

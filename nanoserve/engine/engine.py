@@ -27,12 +27,14 @@ import torch
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
+from nanoserve.engine.disaggregation import DecodeSide, KVTransfer, PrefillSide
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
+from nanoserve.runner.kv_connector import make_connector
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -124,6 +126,19 @@ class Engine:
         self._in_flight: _InFlight | None = None  # async scheduling: the step launched and not yet resolved
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
+        self.kv_prefill, self.kv_decode = self._disaggregation()
+
+    def _disaggregation(self) -> tuple[PrefillSide | None, DecodeSide | None]:
+        """Issue 35: this engine's role in disaggregated serving (nanoserve/engine/disaggregation.py),
+        with its KV connector; (None, None) for an engine that does both phases."""
+        c = self.config
+        if c.kv_role is None:
+            return None, None
+        if c.world_size > 1:
+            raise ValueError(f"--role {c.kv_role} runs on one GPU per instance: tensor and pipeline parallelism "
+                             "do not move KV between instances yet")
+        connector = make_connector(c.kv_connector, self.runner.cache, c.kv_role, c.kv_address, c.kv_transfer_timeout)
+        return (PrefillSide(connector), None) if c.kv_role == "prefill" else (None, DecodeSide(connector))
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
@@ -155,9 +170,12 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = True, priority: int = 0) -> int:
+                    stream: bool = True, priority: int = 0, kv_transfer: dict | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
-        first) matters only with `scheduling_policy="priority"`.
+        first) matters only with `scheduling_policy="priority"`. `kv_transfer` (issue 35, see
+        nanoserve/engine/disaggregation.py): on a prefill instance `{"send": True}` keeps the
+        prompt's KV for a decode instance; on a decode instance, what the prefill instance answered
+        (then `prompt` is ignored: the prompt is the one whose KV comes).
 
         With `stream=False` the request produces one output, when it finishes, and its text is
         decoded once at the end instead of token by token (unless it has stop strings, which
@@ -166,6 +184,9 @@ class Engine:
         params = params or SamplingParams()
         if self.workers is not None and self.workers.failed is not None:
             raise WorkerFailed(self.workers.failed)
+        transfer = self._check_kv_transfer(kv_transfer, params)
+        if transfer is not None:
+            prompt = transfer.prompt_token_ids
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -179,15 +200,57 @@ class Engine:
         constraint = None
         if params.grammar is not None:  # structured output: the grammar also ends the request
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority,
+                       keep_kv=self.kv_prefill is not None and kv_transfer is not None)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)  # (which refuses a request that can never fit)
+        if transfer is not None:  # issue 35: its KV comes from a prefill instance; it waits outside the queue
+            self.scheduler.waiting.remove(seq)
+            self.kv_decode.add(seq, transfer)
         self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
         self.sequences[seq.seq_id] = seq
         if params.grammar is not None or params.presence_penalty or params.frequency_penalty \
                 or params.repetition_penalty != 1.0:
             self._needs_tokens.add(seq.seq_id)  # async scheduling: its steps wait for the host to see each token
         return seq.seq_id
+
+    def _check_kv_transfer(self, kv_transfer: dict | None, params: SamplingParams) -> KVTransfer | None:
+        """Issue 35: the transfer a decode instance takes over (None otherwise); ValueError for a
+        `kv_transfer` this engine's role cannot serve."""
+        if kv_transfer is None:
+            return None
+        role = self.config.kv_role
+        if role is None:
+            raise ValueError("'kv_transfer_params' is for disaggregated serving: this engine was started without "
+                             "--role prefill or --role decode")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("logprobs are not available with disaggregated prefill and decode yet")
+        if role == "prefill":
+            if kv_transfer != {"send": True}:
+                raise ValueError('a prefill instance takes \'kv_transfer_params\': {"send": true}')
+            PrefillSide.check(params)
+            return None
+        return KVTransfer.from_dict(kv_transfer)
+
+    def land_transfers(self) -> list[RequestOutput]:
+        """Issue 35, on a decode instance: requests whose KV has landed join the scheduler; each gets
+        its first output (the prefill instance's token), and each whose transfer failed its last
+        (finish reason "error")."""
+        outputs = []
+        for seq, landed in self.kv_decode.poll(self.scheduler):
+            transfer = dict(num_bytes=landed.num_bytes, seconds=landed.seconds)
+            if landed.error is not None:
+                out = self.output_processor.abort(seq)
+                out.finish_reason, out.error, out.kv_transfer = "error", landed.error, transfer
+                outputs.append(out)
+                self._forget(seq.seq_id)
+                continue
+            for out in self.output_processor.outputs(Batch([seq], [0]), [seq.output_ids]):
+                out.kv_transfer = transfer
+                outputs.append(out)
+                if out.finished:
+                    self._forget(out.request_id)
+        return outputs
 
     def grammar_tokenizer(self):
         """Structured output's view of the tokenizer (`nanoserve.sampling.grammar.make_tokenizer`),
@@ -202,6 +265,8 @@ class Engine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
+        if self.kv_decode is not None:  # issue 35: its KV may still be on its way
+            self.kv_decode.abort(request_id)
         self.scheduler.finish(seq, "abort")
         self._forget(request_id)
         return self.output_processor.abort(seq)
@@ -220,12 +285,23 @@ class Engine:
         self.runner.prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or \
+            (self.kv_decode is not None and bool(self.kv_decode.arrivals))
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
+        """Stop the other tensor-parallel ranks (week 18), if any, and the KV connector's thread
+        (issue 35). Idempotent."""
         if self.workers is not None:
             stop_workers(self.runner, self.workers)
+        for side in (self.kv_prefill, self.kv_decode):
+            if side is not None:
+                side.connector.close()
+
+    def kv_transfer_stats(self) -> dict | None:
+        """Issue 35: the KV connector's counts (transfers and bytes each way, failures, the mean seconds
+        of a received one), or None when this engine is not a prefill or decode instance."""
+        side = self.kv_prefill or self.kv_decode
+        return None if side is None else side.connector.stats()
 
     def spec_stats(self) -> dict | None:
         """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
@@ -254,6 +330,10 @@ class Engine:
         every request that got a token (with async scheduling: in the step launched before this
         one, which this one resolves)."""
         start = time.perf_counter()
+        if self.kv_decode is not None and self.kv_decode.arrivals:  # issue 35: requests whose KV has come join
+            landed = self.land_transfers()                           # (they run from the next step on)
+            if landed:
+                return landed
         run_async = self.async_scheduling and not self._needs_tokens
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())
@@ -317,6 +397,9 @@ class Engine:
         outputs = self.output_processor.outputs(*done)
         for out in outputs:
             if out.finished:
+                if self.kv_prefill is not None:  # issue 35: its prompt's KV goes to a decode instance
+                    transfer = self.kv_prefill.send(self.sequences[out.request_id], self.scheduler)
+                    out.kv_transfer = transfer.to_dict() if transfer is not None else None
                 self._forget(out.request_id)
         return outputs
 

@@ -59,6 +59,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
     num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
+    keep_kv: bool = False  # issue 35, on a prefill instance: its blocks outlive it until their KV is sent
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
