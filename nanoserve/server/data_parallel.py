@@ -236,9 +236,10 @@ async def health_report(client: httpx.AsyncClient, router: Router) -> JSONRespon
 # ------------------------------------------------------------------------------ the processes
 
 
-def replica_argv(argv: list[str]) -> list[str]:
+def replica_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
     """`nanoserve serve` options for a replica: the front's, less --data-parallel-size, --host
-    and --port (each replica gets its own loopback port)."""
+    and --port (each replica gets its own loopback port), and less the flags (without a value)
+    named in `also`."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -247,6 +248,8 @@ def replica_argv(argv: list[str]) -> list[str]:
         name = a.split("=", 1)[0]
         if name in ("--data-parallel-size", "-dp", "--host", "--port"):
             skip = "=" not in a
+            continue
+        if name in also:
             continue
         out.append(a)
     return out
@@ -275,7 +278,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     n, tp = args.data_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size  # GPUs per replica
-    cuda = (args.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
+    cuda = (args.device or ("cuda" if cuda_available() else "cpu")).startswith("cuda")
     procs, urls = [], []
     # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills
     # this process on the spot, skipping `finally`; and uvicorn, which handles it while it serves,
@@ -334,7 +337,7 @@ def end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
