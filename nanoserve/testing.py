@@ -424,6 +424,43 @@ class ServerThread:
         return False
 
 
+class AppThread:
+    """Any ASGI app (a proxy, a front) served by uvicorn on a loopback port, on a thread.
+
+        with AppThread(create_proxy(prefill.url, decode.url)) as proxy:
+            httpx.get(proxy.url + "/health")
+    """
+
+    def __init__(self, app):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:  # a free loopback port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+
+    def __enter__(self) -> "AppThread":
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the app did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
 # ------------------------------------------------------------------ JSON schemas (structured output)
 
 

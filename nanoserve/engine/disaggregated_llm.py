@@ -37,6 +37,13 @@ class DisaggregatedLLM:
             raise
         self.tokenizer = self.decode.tokenizer
 
+    @classmethod
+    def from_engines(cls, prefill: Engine, decode: Engine) -> "DisaggregatedLLM":
+        """A pair of engines built already (roles "prefill" and "decode", connectors on one address)."""
+        llm = cls.__new__(cls)
+        llm.prefill, llm.decode, llm.tokenizer = prefill, decode, decode.tokenizer
+        return llm
+
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()

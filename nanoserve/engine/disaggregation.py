@@ -127,7 +127,8 @@ class DecodeSide:
         return finished
 
     def abort(self, seq_id: int) -> None:
-        """Forget a request aborted before its KV landed (the caller finishes it, which frees its blocks)."""
+        """Forget a request aborted before its KV landed (the caller finishes it, which frees its
+        blocks); the prefill instance lets its copy go."""
         arrival = self.arrivals.pop(seq_id, None)
-        if arrival is not None and arrival.receiving:
+        if arrival is not None:
             self.connector.cancel(arrival.transfer.transfer_id)

@@ -70,7 +70,7 @@ class _Pull:
     """A transfer the decode side asked for (the pulling thread fills `staged` or `error`)."""
 
     transfer_id: str
-    blocks: list[int]
+    blocks: list[int] | None  # None: pulled only to be dropped (`cancel`)
     start: float
     staged: torch.Tensor | None = None
     error: str | None = None
@@ -98,7 +98,6 @@ class KVConnector:
         self.seconds_received = 0.0
         # prefill side: staged copies waiting for their pull, with the time they expire
         self.held: dict[str, tuple[torch.Tensor, float]] = {}
-        self.held_changed = threading.Condition(self.lock)
         # decode side: pulls to issue, pulls issued and not reported, pulls done and not reported
         self.to_pull: queue.Queue[_Pull] = queue.Queue()
         self.pending: dict[str, _Pull] = {}
@@ -142,9 +141,8 @@ class KVConnector:
         """Copy `blocks` out of the pool now (the caller may free them as soon as this returns);
         the copy waits for the decode side's pull, at most `2 * timeout` seconds."""
         staged = self.stage(blocks)
-        with self.held_changed:
+        with self.lock:
             self.held[transfer_id] = (staged, time.monotonic() + 2 * self.timeout)
-            self.held_changed.notify_all()
 
     def _answer_pulls(self) -> None:
         k = 0
@@ -165,15 +163,9 @@ class KVConnector:
             k += 1
 
     def _take_held(self, transfer_id: str) -> torch.Tensor | None:
-        """The staged copy of `transfer_id`, waiting for it up to `timeout` if it is not there yet
-        (a pull may overtake the send); None if it never comes or has expired."""
-        deadline = time.monotonic() + self.timeout
-        with self.held_changed:
-            while transfer_id not in self.held and not self._stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.held_changed.wait(min(left, 0.5))
+        """The staged copy of `transfer_id`, which leaves the connector; None if there is none (it
+        expired, or was never sent: the decode side pulls only what the proxy saw prefilled)."""
+        with self.lock:
             found = self.held.pop(transfer_id, None)
         return None if found is None else found[0]
 
@@ -205,10 +197,13 @@ class KVConnector:
         self.to_pull.put(pull)
 
     def cancel(self, transfer_id: str) -> None:
-        """Give up on a transfer (its request was aborted): the caller frees its blocks; if the bytes
-        arrive later they are dropped."""
+        """Give up on a transfer (its request was aborted), received or not: the caller frees its
+        blocks, whatever arrives for it is dropped, and the prefill side lets its copy go (a transfer
+        never received is pulled and dropped, for that)."""
         with self.lock:
-            self.pending.pop(transfer_id, None)
+            received = self.pending.pop(transfer_id, None) is not None
+        if not received:
+            self.to_pull.put(_Pull(transfer_id, None, time.monotonic()))
 
     def landed(self) -> list[Landed]:
         """The transfers finished since the last call: each one's bytes are in its blocks (copied
@@ -251,6 +246,12 @@ class KVConnector:
             header = torch.empty(2, dtype=torch.long, device=self.staging_device())
             self.wait(self.group.recv([header], PREFILL_RANK, k))
             found, numel = header.tolist()
+            if pull.blocks is None:  # cancelled before it was received: take it off the wire, drop it
+                if found == FOUND:
+                    self.wait(self.group.recv([torch.empty(numel, dtype=self.cache.k.dtype,
+                                                           device=self.staging_device())], PREFILL_RANK, k))
+                k += 1
+                continue
             layers, _, block_size, heads, head_dim = self.cache.k.shape
             shape = (len(pull.blocks), layers, 2, block_size, heads, head_dim)
             if found == MISSING:
@@ -294,9 +295,8 @@ class KVConnector:
     def close(self) -> None:
         """Stop the thread (it notices within half a second) and drop what is held."""
         self._stop.set()
-        with self.held_changed:
+        with self.lock:
             self.held.clear()
-            self.held_changed.notify_all()
         self.thread.join(timeout=2.0)
 
 
