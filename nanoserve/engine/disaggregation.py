@@ -11,13 +11,13 @@ engine. A request goes (nanoserve/server/disaggregated.py routes it):
                                                                    and streams the rest
 
 On the prefill instance (`PrefillSide`) a request marked `keep_kv` runs as usual; when it ends at
-its length limit (its one token), the scheduler keeps its blocks (`Scheduler.kept`) until the
+its length limit (its one token), the scheduler keeps its blocks (`RemoteKVScheduler.kept`) until the
 KV connector has copied them out (`KVConnector.send`); then they go back to the pool.
 
 On the decode instance (`DecodeSide`) the request waits, outside the scheduler, for blocks of its
-own (`Scheduler.reserve`); then the connector brings the prompt's KV into them, and once it has
+own (`RemoteKVScheduler.reserve`); then the connector brings the prompt's KV into them, and once it has
 landed the request joins the running set as a sequence whose prompt is already computed, with
-its first token appended (`Scheduler.add_computed`): to the scheduler, a prefix-cache hit of the
+its first token appended (`RemoteKVScheduler.add_computed`): to the scheduler, a prefix-cache hit of the
 whole prompt. From there it is an ordinary sequence: decoded, preempted (and then recomputed
 here, like any other), aborted. A transfer that fails or times out fails its request only.
 """
@@ -27,9 +27,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from nanoserve.runner.kv_connector import KVConnector, Landed
+from nanoserve.attention.paged import PagedKVCache
+from nanoserve.engine.config import EngineConfig
+from nanoserve.runner.kv_connector import KVConnector, Landed, make_connector
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.scheduler.scheduler import Scheduler
+from nanoserve.scheduler.remote_kv import RemoteKVScheduler
 from nanoserve.scheduler.sequence import Sequence
 
 
@@ -68,7 +70,7 @@ class PrefillSide:
             raise ValueError(f"a request whose KV goes to a decode instance samples one token on the prefill "
                              f"instance: max_tokens must be 1, not {params.max_tokens}")
 
-    def send(self, seq: Sequence, scheduler: Scheduler) -> KVTransfer | None:
+    def send(self, seq: Sequence, scheduler: RemoteKVScheduler) -> KVTransfer | None:
         """`seq` has finished. If the scheduler kept its blocks (it ended at its one token, not at a
         stop token), copy them out through the connector and free them; returns what the decode
         instance needs to take over, or None when the request is complete already."""
@@ -101,7 +103,7 @@ class DecodeSide:
     def add(self, seq: Sequence, transfer: KVTransfer) -> None:
         self.arrivals[seq.seq_id] = Arrival(seq, transfer)
 
-    def poll(self, scheduler: Scheduler) -> list[tuple[Sequence, Landed]]:
+    def poll(self, scheduler: RemoteKVScheduler) -> list[tuple[Sequence, Landed]]:
         """Start the transfers that now have blocks (first come, first served: nobody overtakes a
         request that waits for blocks), then take in those that landed: each joins the scheduler's
         running set, or, when its transfer failed, gives its blocks back and finishes with "error".
@@ -132,3 +134,33 @@ class DecodeSide:
         arrival = self.arrivals.pop(seq_id, None)
         if arrival is not None:
             self.connector.cancel(arrival.transfer.transfer_id)
+
+
+def disaggregation_sides(c: EngineConfig, cache: PagedKVCache) -> tuple[PrefillSide | None, DecodeSide | None]:
+    """An engine's role in a disaggregated pair, with its KV connector over the engine's pool
+    `cache`: (PrefillSide, None), (None, DecodeSide), or (None, None) for an engine that does both."""
+    if c.kv_role is None:
+        return None, None
+    if c.world_size > 1:
+        raise ValueError(f"--role {c.kv_role} runs on one GPU per instance: tensor and pipeline parallelism "
+                         "do not move KV between instances yet")
+    connector = make_connector(c.kv_connector, cache, c.kv_role, c.kv_address, c.kv_transfer_timeout)
+    return (PrefillSide(connector), None) if c.kv_role == "prefill" else (None, DecodeSide(connector))
+
+
+def check_kv_transfer(role: str | None, kv_transfer: dict | None, params: SamplingParams) -> KVTransfer | None:
+    """A request's `kv_transfer` on an engine of `role`: the transfer a decode instance takes over,
+    None otherwise; ValueError, in one line, for what this role cannot serve."""
+    if kv_transfer is None:
+        return None
+    if role is None:
+        raise ValueError("'kv_transfer_params' is for disaggregated serving: this engine was started without "
+                         "--role prefill or --role decode")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("logprobs are not available with disaggregated prefill and decode yet")
+    if role == "prefill":
+        if kv_transfer != {"send": True}:
+            raise ValueError('a prefill instance takes \'kv_transfer_params\': {"send": true}')
+        PrefillSide.check(params)
+        return None
+    return KVTransfer.from_dict(kv_transfer)

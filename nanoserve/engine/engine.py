@@ -27,17 +27,17 @@ import torch
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
-from nanoserve.engine.disaggregation import DecodeSide, KVTransfer, PrefillSide
+from nanoserve.engine.disaggregation import check_kv_transfer, disaggregation_sides
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
-from nanoserve.runner.kv_connector import make_connector
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
+from nanoserve.scheduler.remote_kv import RemoteKVScheduler
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Batch, Sequence
 
@@ -99,7 +99,8 @@ class Engine:
         if self.workers is not None:  # stop them when this engine goes away, or at exit
             weakref.finalize(self, stop_workers, self.runner, self.workers)
         cfg = self.model.config
-        self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+        scheduler = RemoteKVScheduler if c.kv_role else Scheduler  # issue 35: an instance of a disaggregated pair
+        self.scheduler = scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, batching=c.batching, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
                                    scheduling=c.scheduling_policy, cpu_blocks=side.num_cpu_blocks)
@@ -126,19 +127,7 @@ class Engine:
         self._in_flight: _InFlight | None = None  # async scheduling: the step launched and not yet resolved
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
-        self.kv_prefill, self.kv_decode = self._disaggregation()
-
-    def _disaggregation(self) -> tuple[PrefillSide | None, DecodeSide | None]:
-        """Issue 35: this engine's role in disaggregated serving (nanoserve/engine/disaggregation.py),
-        with its KV connector; (None, None) for an engine that does both phases."""
-        c = self.config
-        if c.kv_role is None:
-            return None, None
-        if c.world_size > 1:
-            raise ValueError(f"--role {c.kv_role} runs on one GPU per instance: tensor and pipeline parallelism "
-                             "do not move KV between instances yet")
-        connector = make_connector(c.kv_connector, self.runner.cache, c.kv_role, c.kv_address, c.kv_transfer_timeout)
-        return (PrefillSide(connector), None) if c.kv_role == "prefill" else (None, DecodeSide(connector))
+        self.kv_prefill, self.kv_decode = disaggregation_sides(c, self.runner.cache)  # issue 35; None, None: both phases
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
@@ -184,7 +173,7 @@ class Engine:
         params = params or SamplingParams()
         if self.workers is not None and self.workers.failed is not None:
             raise WorkerFailed(self.workers.failed)
-        transfer = self._check_kv_transfer(kv_transfer, params)
+        transfer = check_kv_transfer(self.config.kv_role, kv_transfer, params)  # issue 35
         if transfer is not None:
             prompt = transfer.prompt_token_ids
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -213,24 +202,6 @@ class Engine:
                 or params.repetition_penalty != 1.0:
             self._needs_tokens.add(seq.seq_id)  # async scheduling: its steps wait for the host to see each token
         return seq.seq_id
-
-    def _check_kv_transfer(self, kv_transfer: dict | None, params: SamplingParams) -> KVTransfer | None:
-        """Issue 35: the transfer a decode instance takes over (None otherwise); ValueError for a
-        `kv_transfer` this engine's role cannot serve."""
-        if kv_transfer is None:
-            return None
-        role = self.config.kv_role
-        if role is None:
-            raise ValueError("'kv_transfer_params' is for disaggregated serving: this engine was started without "
-                             "--role prefill or --role decode")
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            raise ValueError("logprobs are not available with disaggregated prefill and decode yet")
-        if role == "prefill":
-            if kv_transfer != {"send": True}:
-                raise ValueError('a prefill instance takes \'kv_transfer_params\': {"send": true}')
-            PrefillSide.check(params)
-            return None
-        return KVTransfer.from_dict(kv_transfer)
 
     def land_transfers(self) -> list[RequestOutput]:
         """Issue 35, on a decode instance: requests whose KV has landed join the scheduler; each gets

@@ -84,7 +84,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.ending: list[Sequence] = []  # async scheduling: their last token is on the GPU; never scheduled again
-        self.kept: dict[int, list[int]] = {}  # issue 35: blocks of finished sequences whose KV is still to send
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
@@ -109,8 +108,6 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq.keep_kv and reason == "length":  # issue 35: its prompt's KV goes to a decode instance
-            self.kept[seq.seq_id], seq.block_table = seq.block_table, []
         self._free_blocks(seq)
         if seq.num_pending:  # async scheduling: tokens sampled after its end are never delivered
             del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
@@ -461,33 +458,6 @@ class Scheduler:
             if ended:
                 self.finish(seq, ended)
         # <<< week12: resolve
-
-    # -- issue 35: disaggregated prefill and decode -------------------------------------------------
-
-    def release_kept(self, seq_id: int) -> None:
-        """A prefill instance has copied out the KV of a finished sequence (`keep_kv`): its blocks go back."""
-        for block in reversed(self.kept.pop(seq_id)):
-            self.allocator.free(block)
-
-    def reserve(self, seq: Sequence) -> bool:
-        """On a decode instance: blocks for `seq`'s prompt, whose K/V another instance computed and a
-        KV connector brings in. False (nothing allocated) while the pool or the running set is full."""
-        if blocks_needed(seq.num_tokens, self.block_size) > self.allocator.num_free or \
-                len(self.running) >= self.max_num_seqs:
-            return False
-        self._grow_to(seq, seq.num_tokens)
-        return True
-
-    def add_computed(self, seq: Sequence, first_token: int) -> None:
-        """The K/V of `seq`'s prompt have landed in its reserved blocks: it runs from now on, as after
-        its own prefill step (the prompt computed, its first token appended and checked, its full
-        blocks named for the prefix cache). The scheduler sees it as a prefix-cache hit of the whole prompt."""
-        seq.status, seq.first_scheduled_time = SequenceStatus.RUNNING, time.perf_counter()
-        seq.num_computed = seq.num_tokens
-        if self.prefix_caching:
-            self._cache_full_blocks(seq, 0)
-        self.running.append(seq)
-        self.update(Batch([seq], [0]), [[first_token]])
 
     # -- week 17: speculative decoding -------------------------------------------------------------
 

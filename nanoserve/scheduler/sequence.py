@@ -47,7 +47,7 @@ class Sequence:
     stop_checker: StopChecker | None = None  # stop strings: see StopChecker
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     block_table: list[int] = field(default_factory=list)
     block_table_version: int = 0  # bumped when the table is given back: until then it only grows
     num_computed: int = 0  # tokens whose K/V are in the cache
