@@ -281,11 +281,11 @@ class KVConnector:
                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
     def stats(self) -> dict:
-        """Transfers so far: how many and how many bytes each way, failed ones, the mean seconds of a received one."""
-        mean = self.seconds_received / self.num_received if self.num_received else 0.0
+        """Transfers so far: how many and how many bytes each way, the failed ones, the seconds the
+        received ones took in all, and why the pair is broken (None while it works)."""
         return dict(sent=self.num_sent, bytes_sent=self.bytes_sent, received=self.num_received,
-                    bytes_received=self.bytes_received, failed=self.num_failed, mean_receive_seconds=mean,
-                    broken=self.broken)
+                    bytes_received=self.bytes_received, failed=self.num_failed,
+                    seconds_received=self.seconds_received, broken=self.broken)
 
     def num_waiting(self) -> int:
         """Copies held for a pull (prefill side) or transfers not yet reported (decode side)."""

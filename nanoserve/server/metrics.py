@@ -152,6 +152,26 @@ class EngineCollector:
             yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification steps", p["emitted"])
         # <<< week16: engine-metrics
         yield from cpu_tier_metrics(self.engine.stats().get("prefix_cache"))
+        yield from kv_transfer_metrics(self.engine.stats().get("kv_transfer"))
+
+
+def kv_transfer_metrics(t: dict | None):
+    """Issue 35, on an instance of a disaggregated pair (`t`: its KV connector's counters): the
+    transfers and their bytes, each way, the failed ones, and the seconds the received ones took
+    (rate(seconds) / rate(received): the mean time of a transfer; bytes over seconds: its bandwidth)."""
+    if t is None:
+        return
+    for name, doc, sent, received in (("kv_transfers", "Requests' KV moved between instances", "sent", "received"),
+                                      ("kv_transfer_bytes", "Bytes of KV moved between instances", "bytes_sent",
+                                       "bytes_received")):
+        family = CounterMetricFamily(f"nanoserve:{name}", doc, labels=["direction"])
+        family.add_metric(["sent"], t[sent])
+        family.add_metric(["received"], t[received])
+        yield family
+    yield CounterMetricFamily("nanoserve:kv_transfer_failures", "KV transfers that failed or timed out (their "
+                              "requests failed)", value=t["failed"])
+    yield CounterMetricFamily("nanoserve:kv_transfer_seconds", "Seconds the received KV transfers took, from the "
+                              "pull to the bytes in the blocks", value=t["seconds_received"])
 
 
 def cpu_tier_metrics(p: dict | None):

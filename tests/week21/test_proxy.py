@@ -63,6 +63,11 @@ def test_answers_through_the_proxy_equal_one_servers(pair, colocated):
     assert proxy.app.state.counts["split"] == 2
     stats = decode.async_engine.stats()["kv_transfer"]
     assert stats["received"] >= 2 and stats["bytes_received"] > 0 and stats["failed"] == 0
+    metrics = httpx.get(decode.url + "/metrics", timeout=30).text
+    assert 'nanoserve:kv_transfers_total{direction="received"}' in metrics
+    assert "nanoserve:kv_transfer_seconds_total" in metrics
+    sent = httpx.get(prefill.url + "/metrics", timeout=30).text
+    assert f'nanoserve:kv_transfer_bytes_total{{direction="sent"}} {float(stats["bytes_received"])}' in sent
     assert_idle(prefill, decode)
 
 
