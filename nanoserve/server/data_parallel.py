@@ -255,13 +255,18 @@ def replica_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else 0, 1, 2, ...)."""
+    import torch
+
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+
+
 def visible_devices(index: int, per_replica: int) -> str:
     """The GPUs replica `index` may see: the index-th group of `per_replica` of those this
     process sees (CUDA_VISIBLE_DEVICES, else 0, 1, 2, ...)."""
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    import torch
-
-    ids = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+    ids = visible_gpus()
     mine = ids[index * per_replica : (index + 1) * per_replica]
     if len(mine) < per_replica:
         raise ValueError(f"replica {index} needs {per_replica} GPU(s) but only {len(ids)} are visible for "

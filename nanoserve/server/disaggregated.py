@@ -34,6 +34,7 @@ from nanoserve.server.data_parallel import (
     exit_on_signal,
     replica_argv,
     visible_devices,
+    visible_gpus,
     wait_healthy,
 )
 from nanoserve.server.handlers import MAX_BODY_BYTES
@@ -182,6 +183,9 @@ def serve_disaggregated(args, argv: list[str]) -> int:
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     cuda = (args.device or ("cuda" if cuda_available() else "cpu")).startswith("cuda")
+    if cuda and len(visible_gpus()) < 2:
+        raise SystemExit(f"nanoserve serve --disaggregated: one GPU per instance, and {len(visible_gpus())} is "
+                         "visible; run the instances yourself (--role) or on the CPU (--device cpu)")
     procs, urls = [], []
     previous = signal.signal(signal.SIGTERM, exit_on_signal)  # as the data-parallel front: unwind, stop them
     try:
@@ -212,4 +216,5 @@ def serve_disaggregated(args, argv: list[str]) -> int:
                 p.wait()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
 
