@@ -175,6 +175,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "--data-parallel-size and --prefill-url/--decode-url")
     # Before the model loads: a port in use is a one-line error now, not a traceback minutes later.
     check_port_free(args.host, args.port)
+    if args.kv_role == "decode" or args.disaggregated:  # issue 35: where the decode instance's KV connector listens
+        kv_host, _, kv_port = args.kv_address.rpartition(":")
+        if not kv_host or not kv_port.isdigit():
+            raise ValueError(f"--kv-address {args.kv_address!r} is not host:port")
+        check_port_free(kv_host, int(kv_port))
     if args.prefill_url:  # issue 35: only the proxy of a pair started elsewhere
         return serve_proxy(args)
     if args.disaggregated:  # issue 35: a pair and its proxy (nanoserve/server/disaggregated.py)

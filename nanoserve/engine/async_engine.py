@@ -109,9 +109,13 @@ class AsyncEngine:
 
     @property
     def failed(self) -> str | None:
-        """Why the engine can serve no more (a tensor-parallel rank died), or None."""
+        """Why the engine can serve no more (a tensor-parallel rank died, or, issue 35, the other
+        instance of its disaggregated pair is gone), or None."""
         workers = self.engine.workers
-        return None if workers is None else workers.failed
+        if workers is not None and workers.failed is not None:
+            return workers.failed
+        kv = self.engine.kv_transfer_stats()
+        return None if kv is None or kv["broken"] is None else f"KV connector: {kv['broken']}"
 
     # -- the asyncio side --------------------------------------------------------------------
 

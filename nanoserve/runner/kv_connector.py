@@ -140,6 +140,7 @@ class KVConnector:
     def send(self, transfer_id: str, blocks: list[int]) -> None:
         """Copy `blocks` out of the pool now (the caller may free them as soon as this returns);
         the copy waits for the decode side's pull, at most `2 * timeout` seconds."""
+        self._expire_held()  # (here too: the thread that also does it is gone when the decode instance is)
         staged = self.stage(blocks)
         with self.lock:
             self.held[transfer_id] = (staged, time.monotonic() + 2 * self.timeout)

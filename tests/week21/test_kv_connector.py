@@ -153,6 +153,7 @@ def test_a_stuck_prefill_instance_times_out_and_one_that_dies_fails_what_follows
         decode.receive("c", [3])
         [landed] = wait_landed(decode)
         assert type(landed.error) is TransferFailed and "the prefill instance is gone" in str(landed.error)
+        assert decode.stats()["broken"].startswith("the prefill instance is gone")
         decode.receive("d", [4])  # and every one after it, at once
         [landed] = wait_landed(decode, timeout=1)
         assert "the prefill instance is gone" in str(landed.error)
