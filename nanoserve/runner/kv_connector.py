@@ -55,6 +55,10 @@ class TransferTimedOut(TransferFailed):
     """A transfer did not land within the connector's timeout."""
 
 
+class LayoutMismatch(ValueError):
+    """The two instances' KV blocks are shaped differently: no transfer can work."""
+
+
 @dataclass
 class Landed:
     """One finished transfer, as `landed` reports it: `error` is None when its bytes are in its blocks."""
@@ -133,7 +137,23 @@ class KVConnector:
         self.store = dist.TCPStore(self.host, self.port, 2, is_master=decode, timeout=timeout,
                                    wait_for_workers=False)
         rank = DECODE_RANK if decode else PREFILL_RANK
-        self.group = self.make_group(dist.PrefixStore("nanoserve-kv", self.store), rank)
+        group = self.make_group(dist.PrefixStore("nanoserve-kv", self.store), rank)
+        self.check_layout()
+        self.group = group
+
+    def layout(self) -> str:
+        """What a block is here, in words: both instances' must be the same."""
+        layers, _, block_size, heads, head_dim = self.cache.k.shape
+        return f"{layers} layers x {block_size} tokens x {heads} KV heads x {head_dim} dims of {self.cache.k.dtype}"
+
+    def check_layout(self) -> None:
+        """Refuse a peer whose blocks are not shaped as ours (another model, --block-size or --dtype)."""
+        peer = "decode" if self.role == "prefill" else "prefill"
+        self.store.set(f"layout/{self.role}", self.layout())
+        theirs = self.store.get(f"layout/{peer}").decode()
+        if theirs != self.layout():
+            raise LayoutMismatch(f"the {peer} instance's KV blocks are {theirs}, this one's {self.layout()}: "
+                                 "start both with the same model, --block-size and --dtype")
 
     # -- the prefill side -------------------------------------------------------------------
 
@@ -275,6 +295,8 @@ class KVConnector:
         try:
             self.connect()
             loop()
+        except LayoutMismatch as e:
+            self.broken = str(e)
         except Exception as e:  # the peer died, or never came: every transfer from now on fails
             if not self._stop.is_set():
                 with self.lock:

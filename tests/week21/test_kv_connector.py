@@ -163,6 +163,21 @@ def test_a_stuck_prefill_instance_times_out_and_one_that_dies_fails_what_follows
         decode.close()
 
 
+def test_instances_whose_blocks_differ_refuse_every_transfer_and_say_why():
+    address = f"127.0.0.1:{free_ports(1)}"
+    decode = make_connector("gloo", PagedKVCache(3, 10, 4, 2, 8), "decode", address, timeout=5.0)
+    prefill = make_connector("gloo", PagedKVCache(3, 10, 16, 2, 8), "prefill", address, timeout=5.0)
+    try:
+        decode.receive("a", [0])
+        [landed] = wait_landed(decode)
+        assert type(landed.error) is TransferFailed
+        assert "the prefill instance's KV blocks are 3 layers x 16 tokens x 2 KV heads x 8 dims of torch.float32, " \
+               "this one's 3 layers x 4 tokens" in str(landed.error) and "--block-size" in str(landed.error)
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_bad_settings_are_refused_in_one_line():
     a, _ = pools()
     with pytest.raises(ValueError, match="unknown KV connector 'tcp'"):

@@ -9,6 +9,7 @@ block is free on both instances after each test.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -99,6 +100,21 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_the_decode_instan
                     break  # one chunk, then the client goes away
             assert len(decode.engine.scheduler.running) == 1
         # 200 tokens at 0.1 s a step would take 20 s: idle within assert_idle's 10 s means aborted
+        assert_idle(prefill, decode)
+
+
+def test_concurrent_streams_through_a_small_decode_pool_are_preempted_and_still_right(colocated):
+    address = f"127.0.0.1:{free_ports(1)}"
+    prompts = ["The list of", "A dictionary is", "Once upon a time", "def f(x):"]
+    body = {**BODY, "max_tokens": 30}
+    expected = [sse_texts(colocated.url, {**body, "prompt": p}) for p in prompts]
+    with role_server("decode", address, block_size=4, num_blocks=16) as decode, \
+            role_server("prefill", address, block_size=4) as prefill, \
+            AppThread(create_proxy(prefill.url, decode.url)) as proxy:
+        with decode.slowed(0.01), concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: sse_texts(proxy.url, {**body, "prompt": p}), prompts))
+        assert decode.engine.scheduler.num_preemptions > 0  # 4 x 9 blocks wanted, 16 in the pool
+        assert got == expected
         assert_idle(prefill, decode)
 
 
