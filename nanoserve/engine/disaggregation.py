@@ -47,14 +47,18 @@ class KVTransfer:
         return dict(transfer_id=self.transfer_id, prompt_token_ids=self.prompt_token_ids, first_token=self.first_token)
 
     @classmethod
-    def from_dict(cls, d: object) -> "KVTransfer":
+    def from_dict(cls, d: object, vocab_size: int) -> "KVTransfer":
         """From the JSON the prefill instance answered; ValueError, with what is wrong, for anything else."""
-        ok = isinstance(d, dict) and isinstance(d.get("transfer_id"), str) and isinstance(d.get("first_token"), int) \
+        def token(t: object) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+        ok = isinstance(d, dict) and isinstance(d.get("transfer_id"), str) and token(d.get("first_token")) \
             and isinstance(d.get("prompt_token_ids"), list) and d["prompt_token_ids"] \
-            and all(isinstance(t, int) for t in d["prompt_token_ids"])
+            and all(token(t) for t in d["prompt_token_ids"])
         if not ok:
             raise ValueError("'kv_transfer_params' must be what a prefill instance answered: an object with "
-                             "'transfer_id' (a string), 'prompt_token_ids' (token ids) and 'first_token' (a token id)")
+                             "'transfer_id' (a string), 'prompt_token_ids' and 'first_token' (token ids, in "
+                             f"[0, {vocab_size}))")
         return cls(d["transfer_id"], list(d["prompt_token_ids"]), d["first_token"])
 
 
@@ -148,7 +152,8 @@ def disaggregation_sides(c: EngineConfig, cache: PagedKVCache) -> tuple[PrefillS
     return (PrefillSide(connector), None) if c.kv_role == "prefill" else (None, DecodeSide(connector))
 
 
-def check_kv_transfer(role: str | None, kv_transfer: dict | None, params: SamplingParams) -> KVTransfer | None:
+def check_kv_transfer(role: str | None, kv_transfer: dict | None, params: SamplingParams,
+                      vocab_size: int) -> KVTransfer | None:
     """A request's `kv_transfer` on an engine of `role`: the transfer a decode instance takes over,
     None otherwise; ValueError, in one line, for what this role cannot serve."""
     if kv_transfer is None:
@@ -163,4 +168,4 @@ def check_kv_transfer(role: str | None, kv_transfer: dict | None, params: Sampli
             raise ValueError('a prefill instance takes \'kv_transfer_params\': {"send": true}')
         PrefillSide.check(params)
         return None
-    return KVTransfer.from_dict(kv_transfer)
+    return KVTransfer.from_dict(kv_transfer, vocab_size)

@@ -173,7 +173,7 @@ class Engine:
         params = params or SamplingParams()
         if self.workers is not None and self.workers.failed is not None:
             raise WorkerFailed(self.workers.failed)
-        transfer = check_kv_transfer(self.config.kv_role, kv_transfer, params)  # issue 35
+        transfer = check_kv_transfer(self.config.kv_role, kv_transfer, params, self.model.config.vocab_size)  # issue 35
         if transfer is not None:
             prompt = transfer.prompt_token_ids
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -269,8 +269,8 @@ class Engine:
                 side.connector.close()
 
     def kv_transfer_stats(self) -> dict | None:
-        """Issue 35: the KV connector's counts (transfers and bytes each way, failures, the mean seconds
-        of a received one), or None when this engine is not a prefill or decode instance."""
+        """Issue 35: the KV connector's counts (transfers and bytes each way, failures, the seconds the
+        received ones took), or None when this engine is not a prefill or decode instance."""
         side = self.kv_prefill or self.kv_decode
         return None if side is None else side.connector.stats()
 

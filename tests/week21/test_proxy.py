@@ -162,6 +162,9 @@ def test_role_mistakes_are_400s(pair, colocated):
     assert r.status_code == 400 and "max_tokens must be 1" in r.json()["error"]["message"]
     r = httpx.post(decode.url + "/v1/completions", json={**BODY, "kv_transfer_params": {"id": 1}}, timeout=30)
     assert r.status_code == 400 and "'transfer_id'" in r.json()["error"]["message"]
+    bad_token = dict(transfer_id="x", prompt_token_ids=[1, 10**6], first_token=4)
+    r = httpx.post(decode.url + "/v1/completions", json={**BODY, "kv_transfer_params": bad_token}, timeout=30)
+    assert r.status_code == 400 and "token ids, in [0, " in r.json()["error"]["message"]
     assert_idle(prefill, decode)
 
 
