@@ -62,6 +62,15 @@ def test_greedy_tokens_equal_one_engines(ckpt, colocated, caching):
         assert llm.prefill.kv_transfer_stats()["bytes_sent"] == stats["bytes_received"]
 
 
+def test_async_scheduling_on_both_sides_gives_the_same_tokens(ckpt, colocated):
+    """Week 12's async scheduling: the prefill side's request ends one step late (`resolve`), and
+    the decode side's arrivals join between a launched step and its resolution."""
+    with pair(ckpt, async_scheduling=True) as llm:
+        assert llm.prefill.async_scheduling and llm.decode.async_scheduling
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == colocated
+        assert_nothing_left(llm)
+
+
 def test_preemption_on_the_decode_side_gives_the_same_tokens(ckpt, colocated):
     # 16 blocks of 4 tokens for 6 requests of up to 51 tokens: the decode side preempts (and recomputes)
     with pair(ckpt, block_size=4, decode=dict(num_blocks=16)) as llm:
