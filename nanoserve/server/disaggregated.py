@@ -91,9 +91,9 @@ def splittable(body: object) -> bool:
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    logprobs = body.get("logprobs")  # completions: a count (0 included); chat: true or false
     return not batch and body.get("n") in (None, 1) and not body.get("echo") and max_tokens != 1 \
-        and body.get("logprobs") in (None, False) and body.get("top_logprobs") is None \
-        and body.get("prompt_logprobs") is None
+        and (logprobs is None or logprobs is False) and body.get("top_logprobs") is None
 
 
 async def route(client: httpx.AsyncClient, prefill_url: str, decode_url: str, request: Request, path: str,

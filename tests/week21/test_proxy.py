@@ -121,13 +121,15 @@ def test_concurrent_streams_through_a_small_decode_pool_are_preempted_and_still_
 def test_requests_the_pair_cannot_split_run_whole_on_the_decode_instance(pair, colocated):
     prefill, decode, proxy = pair
     before = dict(proxy.app.state.counts)
-    for body in ({**BODY, "n": 2, "temperature": 0.8, "seed": 1}, {**BODY, "echo": True}, {**BODY, "logprobs": 2},
+    for body in ({**BODY, "n": 2, "temperature": 0.8, "seed": 1}, {**BODY, "echo": True}, {**BODY, "logprobs": 0},
                  {**BODY, "max_tokens": 1}, {**BODY, "prompt": ["a b", "c d"]}):
         got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
         assert got.status_code == 200, got.text
         expected = httpx.post(colocated.url + "/v1/completions", json=body, timeout=60).json()
         assert got.json()["choices"] == expected["choices"]
-    assert proxy.app.state.counts["whole"] == before["whole"] + 5 and proxy.app.state.counts["split"] == before["split"]
+    chat = httpx.post(proxy.url + "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}, timeout=60)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["logprobs"] is not None
+    assert proxy.app.state.counts["whole"] == before["whole"] + 6 and proxy.app.state.counts["split"] == before["split"]
     bad = httpx.post(proxy.url + "/v1/completions", json={**BODY, "max_tokens": 0}, timeout=30)
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]  # the prefill instance's answer
     assert_idle(prefill, decode)
