@@ -199,7 +199,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, args.served_model_name or str(args.model), metrics=args.metrics,
                      log_requests=args.log_requests, **guard_options(args))
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
-          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
+          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)"
+          + (f", the {args.kv_role} instance of a pair (KV over {args.kv_connector}, {args.kv_address})" if args.kv_role else ""),
           file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, exit_on_signal)  # docker, systemd, kubernetes: as Ctrl-C
     try:
