@@ -13,7 +13,9 @@ This module moves them, and nothing else; which blocks, and when, is the engines
                    cancel(transfer_id)            the request went away: whatever arrives for it is dropped
 
 The two instances form a process group of two ranks (prefill 0, decode 1) over a TCP store the
-decode instance hosts (`address`, host:port). The decode side *pulls*: for its k-th transfer it
+decode instance hosts (`address`, host:port), one group per *session*: each prefill instance that
+connects opens a new one, so a dead instance on either side can be replaced without restarting
+the other (`connect`; until then every transfer fails at once). The decode side *pulls*: for its k-th transfer it
 writes `pull/k = transfer_id` into the store, and the prefill side's thread answers the pulls in
 order, with a header (found or not, how many elements) then the blocks, both tagged k. Pulling
 keeps the two sides in step without a second channel: NCCL matches sends and receives in the
@@ -106,7 +108,8 @@ class KVConnector:
         self.to_pull: queue.Queue[_Pull] = queue.Queue()
         self.pending: dict[str, _Pull] = {}
         self.done: list[_Pull] = []
-        self.store = self.group = None
+        self.store = self.keys = self.group = None  # the TCP store, this session's keys in it, the group
+        self.session = 0  # the newest prefill instance's number (see `connect`)
         self._stop = threading.Event()
         loop = self._answer_pulls if role == "prefill" else self._pull
         self.thread = threading.Thread(target=self._run, args=(loop,), name=f"nanoserve-kv-{role}", daemon=True)
@@ -131,13 +134,25 @@ class KVConnector:
         work.wait()
 
     def connect(self) -> None:
-        """The store (hosted by the decode side) and the two-rank group; blocks until the peer is there."""
+        """Join the peer: the store (the decode side hosts it; the prefill side connects to it, anew
+        each time) and a two-rank group under a fresh prefix. Each prefill instance that connects
+        opens a new *session* (it increments `session` in the store); the decode side joins the
+        newest. So a prefill instance that died can be replaced without restarting the decode one."""
         timeout = datetime.timedelta(seconds=max(self.timeout, 60.0))
-        decode = self.role == "decode"
-        self.store = dist.TCPStore(self.host, self.port, 2, is_master=decode, timeout=timeout,
-                                   wait_for_workers=False)
-        rank = DECODE_RANK if decode else PREFILL_RANK
-        group = self.make_group(dist.PrefixStore("nanoserve-kv", self.store), rank)
+        if self.role == "decode":
+            if self.store is None:
+                self.store = dist.TCPStore(self.host, self.port, 2, is_master=True, timeout=timeout,
+                                           wait_for_workers=False)
+            while self.store.add("session", 0) <= self.session:  # a new prefill instance
+                if self._stop.wait(0.05):
+                    raise ConnectionAbortedError("the connector was closed")
+            self.session = self.store.add("session", 0)
+        else:
+            self.store = dist.TCPStore(self.host, self.port, 2, is_master=False, timeout=timeout,
+                                       wait_for_workers=False)
+            self.session = self.store.add("session", 1)
+        self.keys = dist.PrefixStore(f"nanoserve-kv/{self.session}", self.store)
+        group = self.make_group(self.keys, DECODE_RANK if self.role == "decode" else PREFILL_RANK)
         self.check_layout()
         self.group = group
 
@@ -149,8 +164,8 @@ class KVConnector:
     def check_layout(self) -> None:
         """Refuse a peer whose blocks are not shaped as ours (another model, --block-size or --dtype)."""
         peer = "decode" if self.role == "prefill" else "prefill"
-        self.store.set(f"layout/{self.role}", self.layout())
-        theirs = self.store.get(f"layout/{peer}").decode()
+        self.keys.set(f"layout/{self.role}", self.layout())
+        theirs = self.keys.get(f"layout/{peer}").decode()
         if theirs != self.layout():
             raise LayoutMismatch(f"the {peer} instance's KV blocks are {theirs}, this one's {self.layout()}: "
                                  "start both with the same model, --block-size and --dtype")
@@ -172,7 +187,7 @@ class KVConnector:
             if not self._wait_key(key):
                 self._expire_held()
                 continue
-            transfer_id = self.store.get(key).decode()
+            transfer_id = self.keys.get(key).decode()
             staged = self._take_held(transfer_id)
             found = staged is not None
             header = torch.tensor([FOUND if found else MISSING, staged.numel() if found else 0], dtype=torch.long)
@@ -202,7 +217,7 @@ class KVConnector:
         thread sees `_stop`). Polled, every millisecond or two while waiting: a blocking wait that
         times out makes the store print a warning each time."""
         deadline = time.monotonic() + 0.5
-        while not self.store.check([key]):
+        while not self.keys.check([key]):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
@@ -262,8 +277,10 @@ class KVConnector:
             try:
                 pull = self.to_pull.get(timeout=0.5)
             except queue.Empty:
+                if self.store.add("session", 0) > self.session:  # the prefill instance was replaced
+                    raise ConnectionResetError("a new prefill instance connected")
                 continue
-            self.store.set(f"pull/{k}", pull.transfer_id)
+            self.keys.set(f"pull/{k}", pull.transfer_id)
             header = torch.empty(2, dtype=torch.long, device=self.staging_device())
             self.wait(self.group.recv([header], PREFILL_RANK, k))
             found, numel = header.tolist()
@@ -292,16 +309,35 @@ class KVConnector:
     # -- both -------------------------------------------------------------------------------
 
     def _run(self, loop) -> None:
-        try:
-            self.connect()
-            loop()
-        except LayoutMismatch as e:
-            self.broken = str(e)
-        except Exception as e:  # the peer died, or never came: every transfer from now on fails
-            if not self._stop.is_set():
+        """Connect, then serve the transfers; when the peer goes away, say so (`broken`: every
+        transfer fails until a peer is back) and connect again."""
+        while not self._stop.is_set():
+            try:
+                self.connect()
                 with self.lock:
-                    self.broken = f"the {'prefill' if self.role == 'decode' else 'decode'} instance is gone " \
-                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                    self.broken = None
+                loop()
+            except LayoutMismatch as e:  # a wrong pair: the decode side waits for another prefill instance
+                self._lost(str(e))
+                if self.role == "prefill":
+                    return
+            except Exception as e:  # the peer died, or never came
+                self._lost(f"the {'prefill' if self.role == 'decode' else 'decode'} instance is gone "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                self._stop.wait(0.5)  # (a prefill side retries the store until a decode instance is up)
+
+    def _lost(self, why: str) -> None:
+        """The peer is gone: every transfer under way fails, pulls not yet issued are dropped."""
+        if self._stop.is_set():
+            return
+        with self.lock:
+            self.broken, self.group = why, None
+            self.held.clear()
+            for pull in self.pending.values():  # reported by the next `landed`
+                pull.error = why
+                self.done.append(pull)
+        while not self.to_pull.empty():
+            self.to_pull.get_nowait()
 
     def stats(self) -> dict:
         """Transfers so far: how many and how many bytes each way, the failed ones, the seconds the

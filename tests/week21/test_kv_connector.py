@@ -131,7 +131,7 @@ time.sleep(120)
 """
 
 
-def test_a_stuck_prefill_instance_times_out_and_one_that_dies_fails_what_follows():
+def test_a_stuck_prefill_instance_times_out_one_that_dies_fails_what_follows_and_a_new_one_takes_over():
     _, decode_pool = pools()
     address = f"127.0.0.1:{free_ports(1)}"
     decode = make_connector("gloo", decode_pool, "decode", address, timeout=1.0)
@@ -157,6 +157,15 @@ def test_a_stuck_prefill_instance_times_out_and_one_that_dies_fails_what_follows
         decode.receive("d", [4])  # and every one after it, at once
         [landed] = wait_landed(decode, timeout=1)
         assert "the prefill instance is gone" in str(landed.error)
+        # A new prefill instance takes its place: the decode side joins it, no restart needed.
+        proc = subprocess.Popen([sys.executable, "-c", PREFILL_PROCESS, address], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "staged"
+        deadline = time.monotonic() + 30
+        while decode.stats()["broken"] is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        decode.receive("b", [5])
+        [landed] = wait_landed(decode, timeout=30)
+        assert landed.transfer_id == "b" and landed.error is None
     finally:
         proc.kill()
         proc.wait(timeout=10)

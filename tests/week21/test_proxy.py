@@ -194,10 +194,11 @@ def test_a_prefill_instance_that_is_gone_is_a_502_and_the_proxy_goes_on():
 
 
 @pytest.mark.slow
-def test_serve_disaggregated_from_the_command_line_and_a_killed_prefill_instance():
+def test_serve_disaggregated_from_the_command_line_and_a_killed_prefill_instance_replaced():
     """`nanoserve serve --disaggregated`: the pair and the proxy, as a user starts them. The prefill
     instance is then killed outright: the proxy answers 502 and stays up, the decode instance holds
-    no block; Ctrl-C ends the proxy and the decode instance."""
+    no block; a new prefill instance started by hand takes its place; Ctrl-C ends the proxy and the
+    decode instance."""
     psutil = pytest.importorskip("psutil", reason="the test finds the instances' processes with psutil: pip install psutil")
     port, kv_port = free_ports(3), free_ports(1)
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
@@ -213,6 +214,7 @@ def test_serve_disaggregated_from_the_command_line_and_a_killed_prefill_instance
         assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 0
         assert httpx.get(url + "/health", timeout=30).json()["requests"]["split"] == 1
         prefill = [c for c in children if "prefill" in c.cmdline()]
+        prefill_cmd = prefill[0].cmdline()
         prefill[0].kill()  # (a zombie until the launcher reaps it, at its own end)
         deadline = time.monotonic() + 10
         while prefill[0].status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
@@ -222,6 +224,18 @@ def test_serve_disaggregated_from_the_command_line_and_a_killed_prefill_instance
         health = httpx.get(url + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["decode"]["kv_blocks_free"] == \
             health.json()["decode"]["kv_blocks_total"]
+        # a new prefill instance in its place: the decode instance joins it, the proxy splits again
+        again = subprocess.Popen(prefill_cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy([f"http://127.0.0.1:{port + 1}"], [again], timeout=120)
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200 and httpx.get(url + "/health", timeout=30).json()["requests"]["split"] == 2
+        finally:
+            again.kill()
+            again.wait(timeout=10)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
