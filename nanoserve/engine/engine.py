@@ -305,6 +305,9 @@ class Engine:
             landed = self.land_transfers()                           # (they run from the next step on)
             if landed:
                 return landed
+            if not self.scheduler.has_unfinished() and self._in_flight is None:  # only transfers to wait for:
+                self.kv_decode.connector.wait_for_landing(0.01)                  # no busy loop
+                return []
         run_async = self.async_scheduling and not self._needs_tokens
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())

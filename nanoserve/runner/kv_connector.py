@@ -108,6 +108,7 @@ class KVConnector:
         self.to_pull: queue.Queue[_Pull] = queue.Queue()
         self.pending: dict[str, _Pull] = {}
         self.done: list[_Pull] = []
+        self.finished = threading.Event()  # set when `done` gets a pull
         self.store = self.keys = self.group = None  # the TCP store, this session's keys in it, the group
         self.session = 0  # the newest prefill instance's number (see `connect`)
         self._stop = threading.Event()
@@ -237,15 +238,21 @@ class KVConnector:
         blocks, whatever arrives for it is dropped, and the prefill side lets its copy go (a transfer
         never received is pulled and dropped, for that)."""
         with self.lock:
-            received = self.pending.pop(transfer_id, None) is not None
-        if not received:
+            asked = self.pending.pop(transfer_id, None) is not None  # (`receive` was called)
+        if not asked:
             self.to_pull.put(_Pull(transfer_id, None, time.monotonic()))
+
+    def wait_for_landing(self, timeout: float) -> None:
+        """Sleep until a transfer finishes (landed or failed) or `timeout` seconds pass: for an engine
+        with nothing to run but transfers to wait for, instead of polling `landed` in a busy loop."""
+        self.finished.wait(timeout)
 
     def landed(self) -> list[Landed]:
         """The transfers finished since the last call: each one's bytes are in its blocks (copied
         here, on the caller's thread), or it failed: the peer is gone, it has nothing under that
         id, or it took longer than `timeout` seconds."""
         with self.lock:
+            self.finished.clear()
             done, self.done = self.done, []
             out = [self._land(p) for p in done if self.pending.pop(p.transfer_id, None) is not None]
             now = time.monotonic()
@@ -304,6 +311,7 @@ class KVConnector:
                     pull.staged = staged.view(shape)
             with self.lock:
                 self.done.append(pull)
+                self.finished.set()
             k += 1
 
     # -- both -------------------------------------------------------------------------------
@@ -336,6 +344,7 @@ class KVConnector:
             for pull in self.pending.values():  # reported by the next `landed`
                 pull.error = why
                 self.done.append(pull)
+            self.finished.set()
         while not self.to_pull.empty():
             self.to_pull.get_nowait()
 
