@@ -215,13 +215,14 @@ class KVConnector:
 
     def _wait_key(self, key: str) -> bool:
         """Whether `key` is in the store, after waiting for it up to half a second (so that the
-        thread sees `_stop`). Polled, every millisecond or two while waiting: a blocking wait that
-        times out makes the store print a warning each time."""
+        thread sees `_stop`). Polled (a blocking wait that times out makes the store print a warning
+        each time): every millisecond while copies are held, since their pulls are about to come;
+        every 20 ms otherwise, when a pull could only ask for what is not here."""
         deadline = time.monotonic() + 0.5
         while not self.keys.check([key]):
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.002)
+            time.sleep(0.001 if self.held else 0.02)
         return True
 
     # -- the decode side --------------------------------------------------------------------
