@@ -10,16 +10,17 @@ engine. A request goes (nanoserve/server/disaggregated.py routes it):
                                                                    prefill instance, then decodes
                                                                    and streams the rest
 
-On the prefill instance (`PrefillSide`) a request marked `keep_kv` runs as usual; when it ends at
-its length limit (its one token), the scheduler keeps its blocks (`RemoteKVScheduler.kept`) until the
-KV connector has copied them out (`KVConnector.send`); then they go back to the pool.
+On the prefill instance (`PrefillSide`) a request marked `keep_kv` runs as usual; when it ends
+at its length limit (its one token), the scheduler keeps its blocks (`RemoteKVScheduler.kept`)
+until the KV connector has copied them out (`KVConnector.send`); then they go back to the pool.
 
 On the decode instance (`DecodeSide`) the request waits, outside the scheduler, for blocks of its
-own (`RemoteKVScheduler.reserve`); then the connector brings the prompt's KV into them, and once it has
-landed the request joins the running set as a sequence whose prompt is already computed, with
-its first token appended (`RemoteKVScheduler.add_computed`): to the scheduler, a prefix-cache hit of the
-whole prompt. From there it is an ordinary sequence: decoded, preempted (and then recomputed
-here, like any other), aborted. A transfer that fails or times out fails its request only.
+own (`RemoteKVScheduler.reserve`); then the connector brings the prompt's KV into them, and once
+it has landed the request joins the running set as a sequence whose prompt is already computed,
+with its first token appended (`RemoteKVScheduler.add_computed`): to the scheduler, a prefix-cache
+hit of the whole prompt. From there it is an ordinary sequence: decoded, preempted (and then
+recomputed here, like any other), aborted. A transfer that fails or times out fails its request
+only.
 """
 
 from __future__ import annotations
