@@ -96,6 +96,9 @@ class AsyncEngine:
         spec = self.engine.spec_stats()
         if spec is not None:
             stats["speculative"] = spec
+        kv = self.engine.kv_transfer_stats()
+        if kv is not None:
+            stats["kv_transfer"] = kv
         return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -106,9 +109,13 @@ class AsyncEngine:
 
     @property
     def failed(self) -> str | None:
-        """Why the engine can serve no more (a tensor-parallel rank died), or None."""
+        """Why the engine can serve no more (a tensor-parallel rank died, or, issue 35, the other
+        instance of its disaggregated pair is gone), or None."""
         workers = self.engine.workers
-        return None if workers is None else workers.failed
+        if workers is not None and workers.failed is not None:
+            return workers.failed
+        kv = self.engine.kv_transfer_stats()
+        return None if kv is None or kv["broken"] is None else f"KV connector: {kv['broken']}"
 
     # -- the asyncio side --------------------------------------------------------------------
 
@@ -148,6 +155,8 @@ class AsyncEngine:
     # -- the engine thread -------------------------------------------------------------------
 
     def _send(self, key: int, item) -> None:
+        if isinstance(item, RequestOutput) and item.error is not None:  # issue 35: a KV transfer failed
+            item = item.error
         loop, stream = self.streams[key]
         loop.call_soon_threadsafe(stream.put_nowait, item)
         if isinstance(item, RequestOutput) and item.finished:
@@ -172,7 +181,8 @@ class AsyncEngine:
                 self.streams[key] = (loop, stream)
                 try:
                     self.request_ids[key] = self.engine.add_request(prompt, params,
-                                                                    priority=options.get("priority", 0))
+                                                                    priority=options.get("priority", 0),
+                                                                    kv_transfer=options.get("kv_transfer"))
                     self.options[key] = options
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)

@@ -41,6 +41,8 @@ class EngineConfig:
     preemption: bool = True  # week 9
     enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
     # continuous batching (it costs nothing measurable without sharing), once week 14 is done (see below)
+    cpu_offload_gb: float = 0.0  # issue 35: GiB of (pinned) host memory per rank for a CPU tier behind the prefix
+    # cache: blocks the GPU pool evicts are kept there and copied back on a hit; 0: off
     enable_chunked_prefill: bool | None = None  # week 15: decodes first, prompts in chunks; default: on with
     # continuous batching (it won at every load measured: docs/benchmarks.md), once week 15 is done (see below)
     scheduling_policy: str = "fcfs"  # or "priority" (continuous batching): lower priority values run first
@@ -65,6 +67,10 @@ class EngineConfig:
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
     quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group); None: off
     quantization_group_size: int = 128  # inputs that share one scale and offset
+    kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
+    kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
+    kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
+    kv_transfer_timeout: float = 30.0  # issue 35: seconds a KV transfer may take before its request fails
 
     @property
     def world_size(self) -> int:
@@ -78,6 +84,8 @@ class EngineConfig:
             self.enable_chunked_prefill = self.batching == "continuous" and 15 not in stubbed_weeks()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: GiB of host memory, 0 (off) or more")
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
@@ -85,6 +93,10 @@ class EngineConfig:
         if self.quantization is not None and self.world_size > 1:
             raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
                              "unquantized layers")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role={self.kv_role!r}: 'prefill' or 'decode' (or None: an engine that does both)")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout}: seconds, more than 0")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         if self.ray_placement != "pack" and self.distributed_executor != "ray":
@@ -119,6 +131,10 @@ class EngineConfig:
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
                             "continuous batching)")
+        p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                       help="GiB of pinned host memory per rank for a CPU tier behind the prefix cache: blocks "
+                            "evicted from the GPU pool are copied there and brought back on a hit instead of "
+                            "being recomputed (needs prefix caching; default: %(default)s, off)")
         p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="order of the queue and of preemption (continuous batching): arrival, or each request's "
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.attention.backend import select_backend
+from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.paged import PagedKVCache
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
@@ -34,6 +35,7 @@ class DeviceSide:
     max_model_len: int
     attention_backend: str
     kv_sizing: dict | None  # on a GPU: the measured figures behind the pool's size
+    num_cpu_blocks: int = 0  # the CPU tier's slots (issue 35), the same on every rank
 
 
 def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
@@ -78,10 +80,26 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     num_blocks = c.num_blocks
     if num_blocks is None:
         num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args, runner_class)
+    runner_args["cpu_blocks"] = cpu_tier_blocks(c, model, dtype, group)  # (not in the measured step's runner)
     if group is not None:  # the block tables must fit on every rank (of every stage)
         num_blocks = min_over_ranks(group, num_blocks)
     runner = runner_class(model, num_blocks, c.block_size, **runner_args)
-    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
+    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing,
+                      runner_args["cpu_blocks"])
+
+
+def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=None) -> int:
+    """How many blocks of this rank's pool (its heads, its layers) `cpu_offload_gb` holds, the
+    fewest over the ranks of `group` (the scheduler's slots must exist on every rank); 0: no tier."""
+    if not c.cpu_offload_gb:
+        return 0
+    cfg = model.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    slots = CPUKVPool.num_slots_for(int(c.cpu_offload_gb * 2**30), per_block)
+    if slots < 1:
+        raise ValueError(f"--cpu-offload-gb {c.cpu_offload_gb} holds no KV block ({per_block} bytes each): "
+                         "give it more, or 0 to turn the CPU tier off")
+    return slots if group is None else min_over_ranks(group, slots)
 
 
 # The one-shot all-reduce up to this size, NCCL above: on two H100s (NV18) in CUDA graphs the one-shot

@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 from nanoserve.scheduler.blocks import BlockAllocator, OutOfBlocks, blocks_needed
+from nanoserve.scheduler.cpu_tier import TieredPrefixAllocator
 from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, block_hash
 from nanoserve.scheduler.sequence import PENDING, Batch, Sequence, SequenceStatus
 
@@ -37,7 +38,9 @@ class Scheduler:
     free, the most recently admitted sequence gives its blocks back and waits at the front of
     the queue, to be recomputed later.
     prefix caching (week 14, continuous only): a sequence being admitted starts from the blocks
-    of its prefix that the pool still holds, and only the rest of it is prefilled.
+    of its prefix that the pool still holds, and only the rest of it is prefilled. With
+    `cpu_blocks` (issue 35), blocks the pool evicts go to a CPU tier of that many blocks, and come
+    back from there on a hit (nanoserve/scheduler/cpu_tier.py): the batch carries the copies.
     chunked prefill (week 15, continuous only): the step's token budget goes to the running
     decodes first; what is left goes to prompts, cut into chunks where they do not fit, so a
     long prompt never stalls the streams that are already decoding.
@@ -50,7 +53,8 @@ class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
                  batching: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
-                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200):
+                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200,
+                 cpu_blocks: int = 0):
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r}: choose one of {', '.join(BATCHING)}")
         if scheduling not in ("fcfs", "priority"):
@@ -63,8 +67,12 @@ class Scheduler:
         self.aging_steps = aging_steps
         self.prefix_caching = prefix_caching and batching == "continuous"
         self.chunked_prefill = chunked_prefill and batching == "continuous"
-        if self.prefix_caching:
-            self.allocator: BlockAllocator = PrefixCachingAllocator(num_blocks)
+        if cpu_blocks and not self.prefix_caching:
+            raise ValueError("a CPU tier keeps the blocks the prefix cache evicts: it needs prefix caching")
+        if self.prefix_caching and cpu_blocks:
+            self.allocator: BlockAllocator = TieredPrefixAllocator(num_blocks, cpu_blocks)
+        elif self.prefix_caching:
+            self.allocator = PrefixCachingAllocator(num_blocks)
         else:
             self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
@@ -149,7 +157,18 @@ class Scheduler:
         else:
             batch = self._schedule_continuous()
         self.num_scheduled_tokens += batch.num_scheduled_tokens
+        self.attach_copies(batch)
         return batch
+
+    def attach_copies(self, batch: Batch) -> None:
+        """The CPU tier's copies scheduled so far go with the batch, to run before its forward pass.
+        A batch without sequences never runs: they wait for the next one. (`schedule` calls this;
+        whoever allocates blocks for the batch afterwards, as speculative decoding's guesses do,
+        calls it again.)"""
+        if isinstance(self.allocator, TieredPrefixAllocator) and batch.seqs:
+            offloads, reloads = self.allocator.take_copies()
+            batch.offloads += offloads
+            batch.reloads += reloads
 
     def _schedule_admit_all(self) -> Batch:
         """Week 5: prefill every waiting request that fits, else decode every running one."""
