@@ -176,11 +176,7 @@ class EngineConfig:
                        help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
                             "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
                             "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
-        p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
-                       help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
-                            "load; activations stay in --dtype (default: off)")
-        p.add_argument("--quantization-group-size", type=int, default=128,
-                       help="with --quantization: inputs that share one scale and offset (default: %(default)s)")
+        add_quantization_arguments(p)
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")
@@ -195,3 +191,12 @@ class EngineConfig:
         if given.get("kv_cache_memory") is not None:
             given["kv_cache_memory"] = int(given["kv_cache_memory"] * 2**30)
         return cls(**given)
+
+
+def add_quantization_arguments(p) -> None:
+    """Issue 33's options, in the engine's group."""
+    p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
+                   help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
+                        "load; activations stay in --dtype (default: off)")
+    p.add_argument("--quantization-group-size", type=int, default=128,
+                   help="with --quantization: inputs that share one scale and offset (default: %(default)s)")

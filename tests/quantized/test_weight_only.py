@@ -64,7 +64,7 @@ def test_the_kernel_equals_dequantize_then_multiply(bits, m, k, n, group):
     torch.float16,
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="Triton's interpreter computes bf16 products wrongly on the CPU "
-        "(values near 1e11 for this very test); run it on a GPU: pytest -m gpu tests/quantized")),
+        "(values near 1e11 for this very test); run it on a GPU: pytest tests/quantized")),
 ])
 def test_the_kernel_in_half_precision_stays_close(dtype):
     """16-bit activations: the weight is rounded to the activations' dtype as the reference rounds
