@@ -11,8 +11,10 @@ import torch
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
-from nanoserve.model.loader import MODEL_NAMES_HELP
-from nanoserve.model.quantized import SCHEMES as QUANTIZATION_SCHEMES
+from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
+from nanoserve.model.quantized import SCHEMES
+
+QUANTIZATION_SCHEMES = [*SCHEMES, "gguf"]  # gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +67,8 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
-    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group); None: off
+    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group), "gguf"
+    # (a GGUF file's own blocks); None: off
     quantization_group_size: int = 128  # inputs that share one scale and offset
     kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
     kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
@@ -90,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"unknown quantization {self.quantization!r}: one of {', '.join(QUANTIZATION_SCHEMES)}")
+        if self.quantization == "gguf" and gguf_source(self.model) is None:
+            raise ValueError(f"--quantization gguf runs a GGUF file's blocks as they are: {self.model} is not a GGUF "
+                             "file (use int8 or int4 to quantize other checkpoints)")
         if self.quantization is not None and self.world_size > 1:
             raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
                              "unquantized layers")
@@ -197,6 +203,7 @@ def add_quantization_arguments(p) -> None:
     """Issue 33's options, in the engine's group."""
     p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
                    help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
-                        "load; activations stay in --dtype (default: off)")
+                        "load, or (gguf) as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; activations stay in --dtype "
+                        "(default: off)")
     p.add_argument("--quantization-group-size", type=int, default=128,
                    help="with --quantization: inputs that share one scale and offset (default: %(default)s)")

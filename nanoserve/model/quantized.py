@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SCHEMES = {"int8": 8, "int4": 4}  # --quantization: the bits a weight
+SCHEMES = {"int8": 8, "int4": 4}  # --quantization: the bits a weight, rounded to nearest at load
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -54,10 +54,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
                dtype: torch.dtype) -> torch.Tensor:
     """W [N, K] in `dtype`: q · s + o, each group's scale and offset repeated over its G inputs
     (computed in float32, rounded once)."""
-    q = unpack_codes(packed, bits).float()
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    o = offsets.float().repeat_interleave(group_size, dim=1)
-    return (q * s + o).to(dtype)
+    n, groups = scales.shape
+    q = unpack_codes(packed, bits).float().view(n, groups, group_size)
+    return (q * scales.float()[..., None] + offsets.float()[..., None]).view(n, groups * group_size).to(dtype)
 
 
 def check_group_size(in_features: int, group_size: int, bits: int, name: str = "a layer") -> None:
