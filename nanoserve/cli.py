@@ -183,8 +183,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     _configure_logging(args.log_level)
+    if (args.prefill_url is None) != (args.decode_url is None):
+        raise SystemExit("nanoserve serve: --prefill-url and --decode-url go together (the proxy of a pair)")
+    if args.disaggregated and (args.kv_role or args.data_parallel_size > 1 or args.prefill_url):
+        raise SystemExit("nanoserve serve: --disaggregated starts a pair and its proxy: drop --role, "
+                         "--data-parallel-size and --prefill-url/--decode-url")
     # Before the model loads: a port in use is a one-line error now, not a traceback minutes later.
     check_port_free(args.host, args.port)
+    if args.kv_role == "decode" or args.disaggregated:  # issue 35: where the decode instance's KV connector listens
+        kv_host, _, kv_port = args.kv_address.rpartition(":")
+        if not kv_host or not kv_port.isdigit():
+            raise ValueError(f"--kv-address {args.kv_address!r} is not host:port")
+        check_port_free(kv_host, int(kv_port))
+    if args.prefill_url:  # issue 35: only the proxy of a pair started elsewhere
+        return serve_proxy(args)
+    if args.disaggregated:  # issue 35: a pair and its proxy (nanoserve/server/disaggregated.py)
+        from nanoserve.server.disaggregated import serve_disaggregated
+
+        for port in (args.port + 1, args.port + 2):
+            check_port_free("127.0.0.1", port)
+        return serve_disaggregated(args, args.argv)
     for replica in range(args.data_parallel_size if args.data_parallel_size > 1 else 0):  # on their own ports
         check_port_free("127.0.0.1", args.port + 1 + replica)
     if args.data_parallel_size > 1:  # week 18: replicas behind a front (nanoserve/server/data_parallel.py)
@@ -196,7 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, args.served_model_name or str(args.model), metrics=args.metrics,
                      log_requests=args.log_requests, **guard_options(args))
     print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
-          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)",
+          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)"
+          + (f", the {args.kv_role} instance of a pair (KV over {args.kv_connector}, {args.kv_address})" if args.kv_role else ""),
           file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, exit_on_signal)  # docker, systemd, kubernetes: as Ctrl-C
     try:
@@ -205,6 +224,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         async_engine.shutdown()  # the engine thread, then the engine's other ranks
         signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def serve_proxy(args: argparse.Namespace) -> int:
+    """`nanoserve serve --prefill-url URL --decode-url URL`: the proxy of a disaggregated pair (issue 35)."""
+    import uvicorn
+
+    from nanoserve.server.app import guard_options
+    from nanoserve.server.disaggregated import create_proxy
+    from nanoserve.server.http11 import OpenAIErrorH11Protocol
+
+    app = create_proxy(args.prefill_url, args.decode_url, **guard_options(args))
+    print(f"nanoserve: proxy for prefill {args.prefill_url} + decode {args.decode_url} on "
+          f"http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
+                timeout_keep_alive=args.keep_alive_timeout)
     return 0
 
 
@@ -323,6 +358,26 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--no-metrics", dest="metrics", action="store_const", const=False, default=None,
                      help="do not serve GET /metrics (Prometheus text format; default: served, in a learner's "
                           "workspace once week 16 is written)")
+    pd = srv.add_argument_group("disaggregated prefill and decode (issue 35, docs/disaggregation.md)")
+    pd.add_argument("--disaggregated", action="store_true",
+                    help="start a prefill instance (GPU 0, --port+1) and a decode instance (GPU 1, --port+2) of "
+                         "--model, and the proxy that splits each request between them on --port (default: off)")
+    pd.add_argument("--role", dest="kv_role", choices=["prefill", "decode"], default=None,
+                    help="serve as one instance of a pair: prefill (prompts, one token each; sends their KV) or "
+                         "decode (receives the KV, generates the rest) (default: none, both phases)")
+    pd.add_argument("--prefill-url", default=None,
+                    help="with --decode-url: run only the proxy, in front of instances started with --role "
+                         "(default: none)")
+    pd.add_argument("--decode-url", default=None, help="see --prefill-url (default: none)")
+    pd.add_argument("--kv-connector", choices=["gloo", "nccl"], default="gloo",
+                    help="how KV moves from the prefill to the decode instance: gloo through host memory, or "
+                         "nccl GPU to GPU (default: %(default)s)")
+    pd.add_argument("--kv-address", default="127.0.0.1:29650",
+                    help="host:port where the decode instance listens for the prefill instance's KV connector "
+                         "(default: %(default)s)")
+    pd.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                    help="seconds a request's KV may take to land before the request fails with a 504 "
+                         "(default: %(default)g)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -333,48 +333,21 @@ def check_block_invariants(scheduler, batch=None) -> None:
 # ------------------------------------------------------------------------- a real test server
 
 
-class ServerThread:
-    """The real nanoserve server (uvicorn + FastAPI + the engine thread) on a loopback port.
+class AppThread:
+    """Any ASGI app (a proxy, a front) served by uvicorn on a free loopback port, on a thread;
+    `config` goes to `uvicorn.Config`. `with AppThread(app) as s: httpx.get(s.url + "/health")`"""
 
-        with ServerThread(engine_kwargs=dict(model="tiny", device="cpu")) as server:
-            httpx.get(server.url + "/health")
-    """
+    def __init__(self, app, **config):
+        import uvicorn
 
-    def __init__(self, engine_kwargs: dict | None = None, model_name: str = "tiny", api_key: str | None = None,
-                 max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None,
-                 keep_alive_timeout: float = 5.0):
-        import socket
-
-        from nanoserve.engine.async_engine import AsyncEngine
-        from nanoserve.engine.config import EngineConfig
-        from nanoserve.engine.engine import Engine
-        from nanoserve.server.app import create_app
-
-        kwargs = dict(model="tiny", device="cpu")
-        kwargs.update(engine_kwargs or {})
-        self.engine = Engine(EngineConfig(**kwargs))
-        self.async_engine = AsyncEngine(self.engine, max_pending=max_pending)
-        self.app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                              **(app_kwargs or {}))
-        with socket.socket() as s:  # a free loopback port
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.app, self.port = app, free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.keep_alive_timeout = keep_alive_timeout
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **config))
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self):
         import threading
         import time
 
-        import uvicorn
-
-        from nanoserve.server.http11 import OpenAIErrorH11Protocol
-
-        # as `nanoserve serve` runs it: the protocol that answers malformed HTTP in OpenAI's shape
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                http=OpenAIErrorH11Protocol, timeout_keep_alive=self.keep_alive_timeout)
-        self.server = uvicorn.Server(config)
-        self.async_engine.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -387,6 +360,36 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class ServerThread(AppThread):
+    """The real nanoserve server (uvicorn + FastAPI + the engine thread) on a loopback port:
+    `with ServerThread(engine_kwargs=dict(model="tiny", device="cpu")) as server: httpx.get(server.url)`"""
+
+    def __init__(self, engine_kwargs: dict | None = None, model_name: str = "tiny", api_key: str | None = None,
+                 max_pending: int = 256, max_body_bytes: int = 1 << 20, app_kwargs: dict | None = None,
+                 keep_alive_timeout: float = 5.0):
+        from nanoserve.engine.async_engine import AsyncEngine
+        from nanoserve.engine.config import EngineConfig
+        from nanoserve.engine.engine import Engine
+        from nanoserve.server.app import create_app
+        from nanoserve.server.http11 import OpenAIErrorH11Protocol
+
+        kwargs = dict(model="tiny", device="cpu")
+        kwargs.update(engine_kwargs or {})
+        self.engine = Engine(EngineConfig(**kwargs))
+        self.async_engine = AsyncEngine(self.engine, max_pending=max_pending)
+        app = create_app(self.async_engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                         **(app_kwargs or {}))
+        # as `nanoserve serve` runs it: the protocol that answers malformed HTTP in OpenAI's shape
+        super().__init__(app, http=OpenAIErrorH11Protocol, timeout_keep_alive=keep_alive_timeout)
+
+    def __enter__(self) -> "ServerThread":
+        self.async_engine.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__()
         self.async_engine.shutdown()
 
     def slowed(self, seconds: float = 0.02):

@@ -69,6 +69,20 @@ class PagedKVCache:
         return k, v
         # <<< week04: gather-kv
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Whole blocks, every layer's K and V, as one contiguous tensor [n, num_layers, 2, block_size,
+        num_kv_heads, head_dim], block-major: what moves between pools (the CPU tier, the KV connector)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        # [layers, n, block_size, heads, head_dim] twice -> [n, layers, 2, block_size, heads, head_dim]
+        return torch.stack((self.k[:, index], self.v[:, index]), dim=2).transpose(0, 1).contiguous()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """The inverse of `read_blocks`: `data` [n, num_layers, 2, ...] into the pool's `blocks`."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        data = data.to(self.k.device, non_blocking=True)
+        self.k[:, index] = data[:, :, 0].transpose(0, 1)  # [layers, n, block_size, heads, head_dim]
+        self.v[:, index] = data[:, :, 1].transpose(0, 1)
+
 
 # --------------------------------------------------------------- week 5: the paged context
 

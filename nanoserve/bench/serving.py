@@ -64,7 +64,7 @@ def bench_serving(args, reference: bool = False) -> dict:
                 [("rate", "req/s", ".1f"), ("output_tok_s", "output tok/s", ",.0f"),
                  ("ttft_p50_ms", "TTFT p50 ms", ".1f"), ("ttft_p99_ms", "TTFT p99 ms", ".1f"),
                  ("itl_p50_ms", "ITL p50 ms", ".1f"), ("itl_p99_ms", "ITL p99 ms", ".1f")])
-    result = dict(model=str(args.model), kv_blocks=health["kv_blocks_total"], prompt_len=args.prompt_range,
+    result = dict(model=str(args.model), kv_blocks=health.get("kv_blocks_total"), prompt_len=args.prompt_range,
                   output_len=args.serving_output_range, rows=rows)
 
     def draw(ax):

@@ -47,7 +47,7 @@ class AsyncEngine:
         self.listeners: list = []  # callables (final RequestOutput, options), run on the event loop
         self.num_pending = 0  # read and written on the event loop only
         # Week 22: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
-        self.lora_names: tuple[str, ...] = tuple(engine.loras)
+        self.lora_names: tuple[str, ...] = tuple(engine.adapters.ids)
         self._keys = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -98,6 +98,9 @@ class AsyncEngine:
         spec = self.engine.spec_stats()
         if spec is not None:
             stats["speculative"] = spec
+        kv = self.engine.kv_transfer_stats()
+        if kv is not None:
+            stats["kv_transfer"] = kv
         return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -108,9 +111,13 @@ class AsyncEngine:
 
     @property
     def failed(self) -> str | None:
-        """Why the engine can serve no more (a tensor-parallel rank died), or None."""
+        """Why the engine can serve no more (a tensor-parallel rank died, or, issue 35, the other
+        instance of its disaggregated pair is gone), or None."""
         workers = self.engine.workers
-        return None if workers is None else workers.failed
+        if workers is not None and workers.failed is not None:
+            return workers.failed
+        kv = self.engine.kv_transfer_stats()
+        return None if kv is None or kv["broken"] is None else f"KV connector: {kv['broken']}"
 
     # -- the asyncio side --------------------------------------------------------------------
 
@@ -149,15 +156,15 @@ class AsyncEngine:
 
     async def load_lora(self, name: str, path: str) -> None:
         """Week 22: the adapter read and checked on a worker thread (the steps go on), then
-        `Engine.add_lora` on the engine thread. Their ValueErrors are raised here."""
+        `Engine.adapters.add` on the engine thread. Their ValueErrors are raised here."""
         import asyncio
 
-        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
-        await self._on_engine_thread(lambda engine: engine.add_lora(name, adapter))
+        adapter = await asyncio.to_thread(self.engine.adapters.read, name, path)
+        await self._on_engine_thread(lambda engine: engine.adapters.add(name, adapter))
 
     async def unload_lora(self, name: str) -> None:
-        """Week 22: `Engine.remove_lora` on the engine thread (its ValueError raised here)."""
-        await self._on_engine_thread(lambda engine: engine.remove_lora(name))
+        """Week 22: `Engine.adapters.remove` on the engine thread (its ValueError raised here)."""
+        await self._on_engine_thread(lambda engine: engine.adapters.remove(name))
 
     async def _on_engine_thread(self, change) -> None:
         """Run `change(engine)` between two steps, on the thread that owns the engine, and wait for it."""
@@ -172,6 +179,8 @@ class AsyncEngine:
     # -- the engine thread -------------------------------------------------------------------
 
     def _send(self, key: int, item) -> None:
+        if isinstance(item, RequestOutput) and item.error is not None:  # issue 35: a KV transfer failed
+            item = item.error
         loop, stream = self.streams[key]
         loop.call_soon_threadsafe(stream.put_nowait, item)
         if isinstance(item, RequestOutput) and item.finished:
@@ -195,7 +204,9 @@ class AsyncEngine:
                 _, key, prompt, params, options, loop, stream = command
                 self.streams[key] = (loop, stream)
                 try:
-                    self.request_ids[key] = self.engine.add_request(prompt, params, priority=options.get("priority", 0),
+                    self.request_ids[key] = self.engine.add_request(prompt, params,
+                                                                    priority=options.get("priority", 0),
+                                                                    kv_transfer=options.get("kv_transfer"),
                                                                     lora=options.get("lora"))
                     self.options[key] = options
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
@@ -205,7 +216,7 @@ class AsyncEngine:
                 _, change, loop, done = command
                 try:
                     change(self.engine)
-                    self.lora_names = tuple(self.engine.loras)
+                    self.lora_names = tuple(self.engine.adapters.ids)
                     loop.call_soon_threadsafe(done.set_result, None)
                 except Exception as e:  # noqa: BLE001 (the caller gets it; the engine thread goes on)
                     loop.call_soon_threadsafe(done.set_exception, e)

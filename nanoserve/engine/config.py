@@ -11,7 +11,10 @@ import torch
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
-from nanoserve.model.loader import MODEL_NAMES_HELP
+from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
+from nanoserve.model.quantized import SCHEMES
+
+QUANTIZATION_SCHEMES = [*SCHEMES, "gguf"]  # gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +43,8 @@ class EngineConfig:
     preemption: bool = True  # week 9
     enable_prefix_caching: bool | None = None  # week 14: reuse the KV blocks of shared prefixes; default: on with
     # continuous batching (it costs nothing measurable without sharing), once week 14 is done (see below)
+    cpu_offload_gb: float = 0.0  # issue 35: GiB of (pinned) host memory per rank for a CPU tier behind the prefix
+    # cache: blocks the GPU pool evicts are kept there and copied back on a hit; 0: off
     enable_chunked_prefill: bool | None = None  # week 15: decodes first, prompts in chunks; default: on with
     # continuous batching (it won at every load measured: docs/benchmarks.md), once week 15 is done (see below)
     scheduling_policy: str = "fcfs"  # or "priority" (continuous batching): lower priority values run first
@@ -62,6 +67,13 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
+    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group), "gguf"
+    # (a GGUF file's own blocks); None: off
+    quantization_group_size: int = 128  # inputs that share one scale and offset
+    kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
+    kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
+    kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
+    kv_transfer_timeout: float = 30.0  # issue 35: seconds a KV transfer may take before its request fails
     lora_modules: dict[str, str] | None = None  # week 22: LoRA adapters to load at start, name -> PEFT folder
     max_loras: int | None = None  # week 22: adapters resident on the device at once; default: 4 with lora_modules,
     # else 0 (no LoRA layers; a positive value turns them on, for adapters loaded at run time)
@@ -84,8 +96,22 @@ class EngineConfig:
             self.enable_chunked_prefill = self.batching == "continuous" and 15 not in stubbed_weeks()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else 8192
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb}: GiB of host memory, 0 (off) or more")
         if self.all_reduce not in ("auto", "nccl"):
             raise ValueError(f"all_reduce={self.all_reduce!r}: 'auto' (one-shot for small messages) or 'nccl'")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"unknown quantization {self.quantization!r}: one of {', '.join(QUANTIZATION_SCHEMES)}")
+        if self.quantization == "gguf" and gguf_source(self.model) is None:
+            raise ValueError(f"--quantization gguf runs a GGUF file's blocks as they are: {self.model} is not a GGUF "
+                             "file (use int8 or int4 to quantize other checkpoints)")
+        if self.quantization is not None and self.world_size > 1:
+            raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
+                             "unquantized layers")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role={self.kv_role!r}: 'prefill' or 'decode' (or None: an engine that does both)")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout}: seconds, more than 0")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         self._check_lora()
@@ -108,6 +134,10 @@ class EngineConfig:
         if self.world_size > 1:
             raise ValueError("LoRA adapters run on one device: tensor and pipeline parallelism do not take them yet "
                              "(serve replicas with --data-parallel-size instead)")
+        untried = [name for name, on in (("--quantization", self.quantization), ("--role (disaggregation)", self.kv_role))
+                   if on is not None]
+        if untried:
+            raise ValueError(f"LoRA adapters with {' and '.join(untried)} are not supported yet")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
@@ -138,6 +168,10 @@ class EngineConfig:
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks of prompt prefixes the engine has seen (week 14; default: on with "
                             "continuous batching)")
+        p.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                       help="GiB of pinned host memory per rank for a CPU tier behind the prefix cache: blocks "
+                            "evicted from the GPU pool are copied there and brought back on a hit instead of "
+                            "being recomputed (needs prefix caching; default: %(default)s, off)")
         p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                        help="order of the queue and of preemption (continuous batching): arrival, or each request's "
                             "priority, lower first, with aging so that none waits forever (default: fcfs)")
@@ -179,17 +213,11 @@ class EngineConfig:
                        help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
                             "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
                             "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
+        add_quantization_arguments(p)
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")
-        p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT folders) to serve, each by a name requests give as their model "
-                            "(week 22; repeatable)")
-        p.add_argument("--max-loras", type=int, default=None,
-                       help="adapters resident on the device at once, the others waiting in host memory "
-                            "(week 22; default: 4 with --lora-modules, else 0: no LoRA)")
-        p.add_argument("--max-lora-rank", type=int, default=None,
-                       help="the largest adapter rank accepted (week 22; default: 16 with LoRA on)")
+        add_lora_arguments(p)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -203,6 +231,28 @@ class EngineConfig:
         if given.get("lora_modules") is not None:
             given["lora_modules"] = parse_lora_modules(given["lora_modules"])
         return cls(**given)
+
+
+def add_quantization_arguments(p) -> None:
+    """Issue 33's options, in the engine's group."""
+    p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
+                   help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
+                        "load, or (gguf) as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; activations stay in --dtype "
+                        "(default: off)")
+    p.add_argument("--quantization-group-size", type=int, default=128,
+                   help="with --quantization: inputs that share one scale and offset (default: %(default)s)")
+
+
+def add_lora_arguments(p) -> None:
+    """Week 22's options, in the engine's group."""
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve, each by a name requests give as their model "
+                        "(week 22; repeatable)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident on the device at once, the others waiting in host memory "
+                        "(week 22; default: 4 with --lora-modules, else 0: no LoRA)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank accepted (week 22; default: 16 with LoRA on)")
 
 
 def parse_lora_modules(specs: list[str]) -> dict[str, str]:

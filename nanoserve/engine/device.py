@@ -9,14 +9,18 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.attention.backend import select_backend
+from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.paged import PagedKVCache
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.pipeline import build_stage_model
 from nanoserve.engine.step_channel import one_host
+from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
-from nanoserve.model.loader import load_model
+from nanoserve.model.gguf_quantized import use_gguf_blocks
+from nanoserve.model.loader import gguf_source, load_model
 from nanoserve.model.lora import enable_lora
+from nanoserve.model.quantized import quantize_model
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
 from nanoserve.runner.lora import AdapterPool
 from nanoserve.runner.pipeline import PipelineRunner
@@ -34,6 +38,7 @@ class DeviceSide:
     max_model_len: int
     attention_backend: str
     kv_sizing: dict | None  # on a GPU: the measured figures behind the pool's size
+    num_cpu_blocks: int = 0  # the CPU tier's slots (issue 35), the same on every rank
 
 
 def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
@@ -46,12 +51,20 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     pipeline = c.pipeline_parallel_size > 1  # week 20: this rank holds one stage of the model
     if pipeline:
         model = build_stage_model(c, group, dtype, device)
-    elif group is None:
-        model = load_model(c.model, dtype=dtype, device=device)
+    elif group is None:  # (a GGUF file's blocks replace the widened projections on the host: never on the device)
+        model = load_model(c.model, dtype=dtype, device="cpu" if c.quantization == "gguf" else device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
         if c.all_reduce == "auto" and device.startswith("cuda"):  # week 20
             group.one_shot = one_shot_all_reduce(group, dtype, device)
+    if c.quantization is not None:  # issue 33: the projections as grouped codes, before the pool is sized
+        if c.quantization == "gguf":
+            use_gguf_blocks(model, gguf_source(c.model))
+            model = model.to(device)
+        else:
+            quantize_model(model, c.quantization, c.quantization_group_size)
+        if device.startswith("cuda"):
+            use_quantized_kernels(model)
     cfg = model.config
     max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     # Week 12: CUDA graphs for decode steps and fused kernels (Triton backend; on by default on
@@ -76,10 +89,26 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     num_blocks = c.num_blocks
     if num_blocks is None:
         num_blocks, kv_sizing = kv_pool_blocks(c, model, dtype, runner_args, runner_class)
+    runner_args["cpu_blocks"] = cpu_tier_blocks(c, model, dtype, group)  # (not in the measured step's runner)
     if group is not None:  # the block tables must fit on every rank (of every stage)
         num_blocks = min_over_ranks(group, num_blocks)
     runner = runner_class(model, num_blocks, c.block_size, **runner_args)
-    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing)
+    return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing,
+                      runner_args["cpu_blocks"])
+
+
+def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=None) -> int:
+    """How many blocks of this rank's pool (its heads, its layers) `cpu_offload_gb` holds, the
+    fewest over the ranks of `group` (the scheduler's slots must exist on every rank); 0: no tier."""
+    if not c.cpu_offload_gb:
+        return 0
+    cfg = model.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    slots = CPUKVPool.num_slots_for(int(c.cpu_offload_gb * 2**30), per_block)
+    if slots < 1:
+        raise ValueError(f"--cpu-offload-gb {c.cpu_offload_gb} holds no KV block ({per_block} bytes each): "
+                         "give it more, or 0 to turn the CPU tier off")
+    return slots if group is None else min_over_ranks(group, slots)
 
 
 # The one-shot all-reduce up to this size, NCCL above: on two H100s (NV18) in CUDA graphs the one-shot
@@ -88,12 +117,25 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
 ONE_SHOT_MAX_BYTES = 2 << 20
 
 
+# The device groups whose buffers this process has mapped. PyTorch's symmetric memory keeps what it learns
+# about a group, by the group's name, for the life of the process; a later engine in the same process makes
+# its group anew under the same name, and its rendezvous waited forever (on two H100s, 2026-11-27: a second
+# `LLM(..., tensor_parallel_size=2)` in one pytest process). Such an engine sums with NCCL instead.
+MAPPED_GROUP_NAMES: set[str] = set()
+
+
 def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllReduce | None:
     """Week 20: the one-shot all-reduce for this group's small messages, if its ranks share a
     host (peer-to-peer memory does not cross hosts) and this PyTorch can map the buffers;
     otherwise None, and NCCL does every sum. Every rank calls this at the same point."""
     if not one_host(group):
         return None
+    name = group.device_group.group_name
+    if not min_over_ranks(group, int(name not in MAPPED_GROUP_NAMES)):
+        warnings.warn(f"a second tensor-parallel engine in this process: NCCL does every sum (symmetric memory "
+                      f"remembers group {name!r} of the first one for the life of the process)", stacklevel=2)
+        return None
+    MAPPED_GROUP_NAMES.add(name)
     one_shot = None
     try:
         one_shot = OneShotAllReduce(group, dtype, device, ONE_SHOT_MAX_BYTES)

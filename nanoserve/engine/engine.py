@@ -16,7 +16,6 @@ before the step before it is resolved. The outputs are built by the `OutputProce
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 import warnings
@@ -28,16 +27,18 @@ import torch
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig, default_device
 from nanoserve.engine.device import build_device_side
+from nanoserve.engine.disaggregation import check_kv_transfer, disaggregation_sides
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
+from nanoserve.engine.lora import LoRARegistry
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
-from nanoserve.model.lora import Adapter, read_adapter
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
+from nanoserve.scheduler.remote_kv import RemoteKVScheduler
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Batch, Sequence
 
@@ -82,6 +83,9 @@ class Engine:
             raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
                              "parallel engine: it needs tensor_parallel_size > 1 (or pipeline_parallel_size > 1)")
         check_pipeline_config(c, model_dir)  # week 20: what stages refuse, said before any process starts
+        if c.cpu_offload_gb and not (self._prefix_caching() and c.batching == "continuous"):
+            raise ValueError("--cpu-offload-gb keeps the blocks the prefix cache evicts: it needs prefix caching "
+                             "(--enable-prefix-caching, with continuous batching)")
         if c.world_size > 1:
             group, self.workers = start_tensor_parallel(c)
         try:
@@ -96,10 +100,12 @@ class Engine:
         if self.workers is not None:  # stop them when this engine goes away, or at exit
             weakref.finalize(self, stop_workers, self.runner, self.workers)
         cfg = self.model.config
-        self.scheduler = Scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+        scheduler = RemoteKVScheduler if c.kv_role else Scheduler  # issue 35: an instance of a disaggregated pair
+        self.scheduler = scheduler(side.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                                    self.max_model_len, batching=c.batching, preemption=c.preemption,
                                    prefix_caching=self._prefix_caching(), chunked_prefill=c.enable_chunked_prefill,
-                                   scheduling=c.scheduling_policy, max_loras=c.max_loras)
+                                   scheduling=c.scheduling_policy, cpu_blocks=side.num_cpu_blocks,
+                                   max_loras=c.max_loras)
         if c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_num_seqs:
             warnings.warn(f"chunked prefill with a budget of {c.max_num_batched_tokens} tokens for up to {c.max_num_seqs} "
                           "sequences: when more sequences decode than the budget holds, the newest wait and prompts "
@@ -111,6 +117,10 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.runner)
         self._grammar_tokenizer = None  # structured output (week 10): built on first use
         self.sequences: dict[int, Sequence] = {}
+        self.adapters = LoRARegistry(self.runner.lora, cfg, c.max_lora_rank, self.model_name, self.scheduler,
+                                     self.sequences)  # week 22: the LoRA adapters served, by name
+        for name, path in (c.lora_modules or {}).items():
+            self.adapters.add(name, path)
         self.num_steps = 0
         self.trace: list[StepRecord] | None = [] if c.trace else None
         self.speculator = None
@@ -123,10 +133,7 @@ class Engine:
         self._in_flight: _InFlight | None = None  # async scheduling: the step launched and not yet resolved
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
-        self.loras: dict[str, int] = {}  # week 22: the adapters loaded, name -> id (ids are never reused)
-        self._lora_ids = itertools.count(1)
-        for name, path in (c.lora_modules or {}).items():
-            self.add_lora(name, path)
+        self.kv_prefill, self.kv_decode = disaggregation_sides(c, self.runner.cache)  # issue 35; None, None: both phases
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
@@ -158,19 +165,26 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = True, priority: int = 0, lora: str | None = None) -> int:
+                    stream: bool = True, priority: int = 0, kv_transfer: dict | None = None,
+                    lora: str | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
-        first) matters only with `scheduling_policy="priority"`. `lora` names a loaded adapter
-        (week 22) to run it under; None: the base model.
+        first) matters only with `scheduling_policy="priority"`. `kv_transfer` (issue 35, see
+        nanoserve/engine/disaggregation.py): on a prefill instance `{"send": True}` keeps the
+        prompt's KV for a decode instance; on a decode instance, what the prefill instance answered
+        (then `prompt` is ignored: the prompt is the one whose KV comes). `lora` names a loaded
+        adapter (week 22) to run it under; None: the base model.
 
         With `stream=False` the request produces one output, when it finishes, and its text is
         decoded once at the end instead of token by token (unless it has stop strings, which
         must be looked for as the text grows).
         """
         params = params or SamplingParams()
-        lora_id = self.lora_id(lora)
+        lora_id = self.adapters.id_of(lora)
         if self.workers is not None and self.workers.failed is not None:
             raise WorkerFailed(self.workers.failed)
+        transfer = check_kv_transfer(self.config.kv_role, kv_transfer, params, self.model.config.vocab_size)  # issue 35
+        if transfer is not None:
+            prompt = transfer.prompt_token_ids
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -184,9 +198,13 @@ class Engine:
         constraint = None
         if params.grammar is not None:  # structured output: the grammar also ends the request
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
-        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority, lora_id=lora_id)
+        seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority, lora_id=lora_id,
+                       keep_kv=self.kv_prefill is not None and kv_transfer is not None)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)  # (which refuses a request that can never fit)
+        if transfer is not None:  # issue 35: its KV comes from a prefill instance; it waits outside the queue
+            self.scheduler.waiting.remove(seq)
+            self.kv_decode.add(seq, transfer)
         self.sampler.add(seq.seq_id, params, seq.prompt_len, constraint)
         self.sequences[seq.seq_id] = seq
         if params.grammar is not None or params.presence_penalty or params.frequency_penalty \
@@ -194,53 +212,25 @@ class Engine:
             self._needs_tokens.add(seq.seq_id)  # async scheduling: its steps wait for the host to see each token
         return seq.seq_id
 
-    # -- week 22: LoRA adapters ----------------------------------------------------------------------
-
-    def lora_id(self, name: str | None) -> int:
-        """The id of a loaded adapter (0 for None: the base model); a ValueError names the ones there are."""
-        if name is None:
-            return 0
-        if name not in self.loras:
-            known = ", ".join(self.loras) or "none"
-            off = "" if self.runner.lora is not None else " (start the engine with --lora-modules or --max-loras)"
-            raise ValueError(f"unknown adapter {name!r}; loaded: {known}{off}")
-        return self.loras[name]
-
-    def read_lora(self, name: str, path: str | os.PathLike) -> Adapter:
-        """Read a PEFT LoRA adapter and check it against the model and the names loaded (a ValueError
-        says why not). Changes nothing: the server runs it off the engine thread, then `add_lora`."""
-        if self.runner.lora is None:
-            raise ValueError("this engine has no LoRA layers: start it with --lora-modules or --max-loras")
-        if not name or name == self.model_name or name in self.loras:
-            raise ValueError(f"adapter name {name!r} is {'taken' if name else 'empty'}: pick another")
-        return read_adapter(path, name, self.model.config, self.config.max_lora_rank, base_model=self.model_name)
-
-    def add_lora(self, name: str, adapter: str | os.PathLike | Adapter) -> None:
-        """Load a LoRA adapter (a PEFT folder, or what `read_lora` read) into host memory under `name`;
-        it goes to a device slot when a request first uses it."""
-        if not isinstance(adapter, Adapter) or name in self.loras:  # (a name may have been taken meanwhile)
-            adapter = self.read_lora(name, adapter.path if isinstance(adapter, Adapter) else adapter)
-        lora_id = next(self._lora_ids)
-        self.runner.lora.add(lora_id, adapter)
-        self.loras[name] = lora_id
-
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter. Refused (ValueError) while requests that use it are in the engine."""
-        lora_id = self.lora_id(name)
-        users = sum(seq.lora_id == lora_id for seq in self.sequences.values())
-        if users:
-            raise ValueError(f"adapter {name!r} is in use by {users} request(s); unload it once they finish")
-        self.runner.lora.in_use = self.scheduler.adapters_in_use()
-        self.runner.lora.remove(lora_id)
-        del self.loras[name]
-
-    def lora_stats(self) -> dict | None:
-        """Week 22's counters (adapters loaded, resident, loads into a slot, evictions), or None without LoRA."""
-        pool = self.runner.lora
-        if pool is None:
-            return None
-        return dict(loaded=len(self.loras), resident=len(pool.resident), slots=pool.max_loras, loads=pool.num_loads,
-                    evictions=pool.num_evictions, steps_held=self.scheduler.num_held_for_adapters)
+    def land_transfers(self) -> list[RequestOutput]:
+        """Issue 35, on a decode instance: requests whose KV has landed join the scheduler; each gets
+        its first output (the prefill instance's token), and each whose transfer failed its last
+        (finish reason "error")."""
+        outputs = []
+        for seq, landed in self.kv_decode.poll(self.scheduler):
+            transfer = dict(num_bytes=landed.num_bytes, seconds=landed.seconds)
+            if landed.error is not None:
+                out = self.output_processor.abort(seq)
+                out.finish_reason, out.error, out.kv_transfer = "error", landed.error, transfer
+                outputs.append(out)
+                self._forget(seq.seq_id)
+                continue
+            for out in self.output_processor.outputs(Batch([seq], [0]), [seq.output_ids]):
+                out.kv_transfer = transfer
+                outputs.append(out)
+                if out.finished:
+                    self._forget(out.request_id)
+        return outputs
 
     def grammar_tokenizer(self):
         """Structured output's view of the tokenizer (`nanoserve.sampling.grammar.make_tokenizer`),
@@ -255,6 +245,8 @@ class Engine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
+        if self.kv_decode is not None:  # issue 35: its KV may still be on its way
+            self.kv_decode.abort(request_id)
         self.scheduler.finish(seq, "abort")
         self._forget(request_id)
         return self.output_processor.abort(seq)
@@ -273,12 +265,23 @@ class Engine:
         self.runner.prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or \
+            (self.kv_decode is not None and bool(self.kv_decode.arrivals))
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (week 18), if any. Idempotent."""
+        """Stop the other tensor-parallel ranks (week 18), if any, and the KV connector's thread
+        (issue 35). Idempotent."""
         if self.workers is not None:
             stop_workers(self.runner, self.workers)
+        for side in (self.kv_prefill, self.kv_decode):
+            if side is not None:
+                side.connector.close()
+
+    def kv_transfer_stats(self) -> dict | None:
+        """Issue 35: the KV connector's counts (transfers and bytes each way, failures, the seconds the
+        received ones took), or None when this engine is not a prefill or decode instance."""
+        side = self.kv_prefill or self.kv_decode
+        return None if side is None else side.connector.stats()
 
     def spec_stats(self) -> dict | None:
         """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
@@ -296,7 +299,8 @@ class Engine:
 
     def prefix_cache_stats(self) -> dict | None:
         """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
-        prefix caching is off."""
+        prefix caching is off. With a CPU tier (`cpu_offload_gb`) also the hits of each tier (GPU
+        and CPU hit tokens), the blocks offloaded and reloaded, and the CPU tier's evictions."""
         return self.scheduler.allocator.stats() if self.scheduler.prefix_caching else None
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -306,6 +310,13 @@ class Engine:
         every request that got a token (with async scheduling: in the step launched before this
         one, which this one resolves)."""
         start = time.perf_counter()
+        if self.kv_decode is not None and self.kv_decode.arrivals:  # issue 35: requests whose KV has come join
+            landed = self.land_transfers()                           # (they run from the next step on)
+            if landed:
+                return landed
+            if not self.scheduler.has_unfinished() and self._in_flight is None:  # only transfers to wait for:
+                self.kv_decode.connector.wait_for_landing(0.01)                  # no busy loop
+                return []
         run_async = self.async_scheduling and not self._needs_tokens
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())
@@ -371,6 +382,9 @@ class Engine:
         outputs = self.output_processor.outputs(*done)
         for out in outputs:
             if out.finished:
+                if self.kv_prefill is not None:  # issue 35: its prompt's KV goes to a decode instance
+                    transfer = self.kv_prefill.send(self.sequences[out.request_id], self.scheduler)
+                    out.kv_transfer = transfer.to_dict() if transfer is not None else None
                 self._forget(out.request_id)
         return outputs
 
@@ -469,10 +483,10 @@ class LLM:
 
     def add_lora(self, name: str, path: str | os.PathLike) -> None:
         """Week 22: load a PEFT LoRA adapter under `name`, for `generate(..., lora=name)`."""
-        self.engine.add_lora(name, path)
+        self.engine.adapters.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.engine.remove_lora(name)
+        self.engine.adapters.remove(name)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

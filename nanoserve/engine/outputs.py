@@ -43,13 +43,17 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     delta: str = ""  # the text this step added (for streaming)
     metrics: RequestMetrics | None = None  # on the finished output only
     # Logprobs (week 10), when the request asks (SamplingParams.logprobs, .prompt_logprobs):
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids
     delta_logprobs: list[TokenLogprob] | None = None  # those of the tokens whose text `delta` completes
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token (the first: logprob None)
+    # Issue 35, disaggregated serving: on a prefill instance, what the decode instance needs (a
+    # `KVTransfer`'s dict); on a decode instance, the first output's transfer (num_bytes, seconds).
+    kv_transfer: dict | None = None
+    error: Exception | None = None  # finish reason "error": why (a KV transfer that failed)
 
 
 @dataclass

@@ -314,6 +314,7 @@ class SpecDecoder:
         for i, d, p in zip(decodes, guessed, guessed_probs):
             drafts[i], probs[i] = d, p
         drafts = self.scheduler.add_drafts(batch, drafts)  # cut to what fits
+        self.scheduler.attach_copies(batch)  # (room for the guesses may have evicted blocks to the CPU tier)
         return Drafts(drafts, [None if p is None else p[: len(d)] for p, d in zip(probs, drafts)])
 
     def verify(self, logits: torch.Tensor, batch: Batch, drafts: Drafts) -> list[list[int]]:

@@ -325,7 +325,7 @@ def enable_lora(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRASt
             base = getattr(owner, name)
             if type(base) is not nn.Linear:
                 raise ValueError(f"LoRA adapters need the model's plain linear layers; layer {i}'s {name} is a "
-                                 f"{type(base).__name__} (tensor parallelism and LoRA do not combine yet)")
+                                 f"{type(base).__name__}")
             layers[i, name] = LoRALinear(base, state, len(pieces))
             setattr(owner, name, layers[i, name])
     return state, layers

@@ -225,6 +225,7 @@ class PipelineRunner(ModelRunner):
         """This stage's share of one step; on stage 0 the head too. Returns the logits of the
         sampled rows on stage 0 (every rank of its tensor-parallel group runs the head), else None."""
         assert last_tokens is None and not step.from_last, "async scheduling is refused under pipeline parallelism"
+        self.copy_blocks(step)  # the CPU tier: this stage's layers of the blocks
         start, spans = self.clock.mark(), []
         timings = self.expect_timings()
         parts = micro_batches(step, prompt_rows, self.micro_batches)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
 from nanoserve.model.llama import Llama
 from nanoserve.model.lora import lora_rows
@@ -32,7 +33,7 @@ class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
                  fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0,
-                 lora: AdapterPool | None = None):
+                 cpu_blocks: int = 0, lora: AdapterPool | None = None):
         self.model = model
         self.lora = lora  # week 22: the adapters, when the model has LoRA layers (`enable_lora`)
         self.device = model.embed_tokens.weight.device
@@ -44,6 +45,7 @@ class ModelRunner:
         self.scratch_block = num_blocks if cuda_graphs else None
         self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        self.cpu_pool = CPUKVPool(self.cache, cpu_blocks) if cpu_blocks else None  # the CPU tier (issue 35)
         self.context_class = PagedContext
         # Week 12's fused kernels (behind the norms and MLPs, and in the K/V write) need the Triton backend.
         self.fused = fused_kernels and attention_backend == "triton"
@@ -139,7 +141,7 @@ class ModelRunner:
         return StepInput(input_ids, positions, slots, query_start_loc, context_lens,
                          block_tables=[seq.block_table for seq in batch.seqs],
                          table_ids=[(seq.seq_id, seq.block_table_version) for seq in batch.seqs],
-                         sample_rows=sample_rows)
+                         sample_rows=sample_rows, offloads=list(batch.offloads), reloads=list(batch.reloads))
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """StepInput -> (input_ids [T], positions [T], the attention context) on the device."""
@@ -176,6 +178,7 @@ class ModelRunner:
     def run(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]],
             last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """`execute` once the step is plain data: what every rank of a tensor-parallel group runs."""
+        self.copy_blocks(step)
         if self.graphs is not None and step.is_decode and self.graphs.fits(step.num_seqs):
             return self.graphs.run(step, last_tokens)  # week 12: one replay
         q = self.graphs.verify_shape(step) if self.graphs is not None and not prompt_rows else None
@@ -194,6 +197,13 @@ class ModelRunner:
         self.keep_prompt_logprobs(prompt_rows, hidden)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def copy_blocks(self, step: StepInput) -> None:
+        """The CPU tier: the step's offloads, then its reloads, ordered before its forward pass
+        (what is guaranteed: `CPUKVPool`)."""
+        if step.offloads or step.reloads:
+            assert self.cpu_pool is not None, "a step copies blocks to a CPU tier this runner does not have"
+            self.cpu_pool.copy(self.cache, step.offloads, step.reloads)
 
     def prompt_rows(self, batch: Batch, step: StepInput) -> list[tuple[int, int, int, int, int]]:
         """Prompt logprobs: a request with `prompt_logprobs` (the server's `echo` with `logprobs`) wants the

@@ -21,6 +21,10 @@ class StepInput:
     # Async scheduling: (row of input_ids, row of the previous step's sampled tokens) for each input token
     # the host has not seen yet: it is read on the device, from the tokens the last step sampled.
     from_last: list[tuple[int, int]] = field(default_factory=list)
+    # The CPU tier (nanoserve/attention/cpu_pool.py): copies every rank runs before the forward
+    # pass, offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    reloads: list[tuple[int, int]] = field(default_factory=list)
     # Week 22: the adapter slot of each input token (-1: the base model); empty when no token has one.
     lora_slots: list[int] = field(default_factory=list)
 

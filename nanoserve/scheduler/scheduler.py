@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from nanoserve.scheduler.adapters import hold_back, name_first_block
 from nanoserve.scheduler.blocks import BlockAllocator, OutOfBlocks, blocks_needed
+from nanoserve.scheduler.cpu_tier import TieredPrefixAllocator
 from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, block_hash
 from nanoserve.scheduler.sequence import PENDING, Batch, Sequence, SequenceStatus
 
@@ -37,7 +39,9 @@ class Scheduler:
     free, the most recently admitted sequence gives its blocks back and waits at the front of
     the queue, to be recomputed later.
     prefix caching (week 14, continuous only): a sequence being admitted starts from the blocks
-    of its prefix that the pool still holds, and only the rest of it is prefilled.
+    of its prefix that the pool still holds, and only the rest of it is prefilled. With
+    `cpu_blocks` (issue 35), blocks the pool evicts go to a CPU tier of that many blocks, and come
+    back from there on a hit (nanoserve/scheduler/cpu_tier.py): the batch carries the copies.
     chunked prefill (week 15, continuous only): the step's token budget goes to the running
     decodes first; what is left goes to prompts, cut into chunks where they do not fit, so a
     long prompt never stalls the streams that are already decoding.
@@ -50,7 +54,8 @@ class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int = 2048,
                  batching: str = "continuous", preemption: bool = True, prefix_caching: bool = False,
-                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200, max_loras: int = 0):
+                 chunked_prefill: bool = False, scheduling: str = "fcfs", aging_steps: int = 200,
+                 cpu_blocks: int = 0, max_loras: int = 0):
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r}: choose one of {', '.join(BATCHING)}")
         if scheduling not in ("fcfs", "priority"):
@@ -63,8 +68,12 @@ class Scheduler:
         self.aging_steps = aging_steps
         self.prefix_caching = prefix_caching and batching == "continuous"
         self.chunked_prefill = chunked_prefill and batching == "continuous"
-        if self.prefix_caching:
-            self.allocator: BlockAllocator = PrefixCachingAllocator(num_blocks)
+        if cpu_blocks and not self.prefix_caching:
+            raise ValueError("a CPU tier keeps the blocks the prefix cache evicts: it needs prefix caching")
+        if self.prefix_caching and cpu_blocks:
+            self.allocator: BlockAllocator = TieredPrefixAllocator(num_blocks, cpu_blocks)
+        elif self.prefix_caching:
+            self.allocator = PrefixCachingAllocator(num_blocks)
         else:
             self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
@@ -92,7 +101,7 @@ class Scheduler:
                 f"tokens can never fit in the KV pool ({self.allocator.num_blocks} blocks of "
                 f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
-        self._name_first_block(seq)
+        name_first_block(seq, self.block_size)  # week 22
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -143,7 +152,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.by_priority:
             self._order_by_priority()
-        held = self._hold_back_for_adapters()  # week 22
+        self.waiting, held = hold_back(self.waiting, self.adapters_in_use(), self.max_loras)  # week 22
+        self.num_held_for_adapters += bool(held)
         if self.batching == "admit-all":
             batch = self._schedule_admit_all()
         elif self.batching == "static":
@@ -154,31 +164,22 @@ class Scheduler:
             batch = self._schedule_continuous()
         self.waiting.extend(held)
         self.num_scheduled_tokens += batch.num_scheduled_tokens
+        self.attach_copies(batch)
         return batch
+
+    def attach_copies(self, batch: Batch) -> None:
+        """The CPU tier's copies scheduled so far go with the batch, to run before its forward pass.
+        A batch without sequences never runs: they wait for the next one. (`schedule` calls this;
+        whoever allocates blocks for the batch afterwards, as speculative decoding's guesses do,
+        calls it again.)"""
+        if isinstance(self.allocator, TieredPrefixAllocator) and batch.seqs:
+            offloads, reloads = self.allocator.take_copies()
+            batch.offloads += offloads
+            batch.reloads += reloads
 
     def adapters_in_use(self) -> set[int]:
         """The adapter ids of the running sequences (and of those whose last step is in flight)."""
         return {s.lora_id for s in self.running + self.ending if s.lora_id}
-
-    def _hold_back_for_adapters(self) -> list[Sequence]:
-        """Off the queue for this step: all from the first sequence whose adapter finds no slot (those
-        running or ahead of it use `max_loras` adapters); it waits, FCFS, for one to finish."""
-        adapters = self.adapters_in_use()
-        for i, seq in enumerate(self.waiting if self.max_loras else ()):
-            if seq.lora_id and seq.lora_id not in adapters:
-                if len(adapters) == self.max_loras:
-                    self.num_held_for_adapters += 1
-                    queue = list(self.waiting)
-                    self.waiting = deque(queue[:i])
-                    return queue[i:]
-                adapters.add(seq.lora_id)
-        return []
-
-    def _name_first_block(self, seq: Sequence) -> None:
-        """Under an adapter the first full block's name has the adapter in its seed (`cache_salt`), and
-        every later name chains on it: no block is shared across adapters. Named before week 14's code would."""
-        if seq.cache_salt is not None and not seq.block_hashes and seq.num_tokens >= self.block_size:
-            seq.block_hashes.append(block_hash(seq.cache_salt, seq.token_ids[: self.block_size]))
 
     def _schedule_admit_all(self) -> Batch:
         """Week 5: prefill every waiting request that fits, else decode every running one."""
@@ -289,7 +290,7 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence, computed_before: int, computed_after: int | None = None) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
         after = seq.num_computed if computed_after is None else computed_after
-        self._name_first_block(seq)  # week 22
+        name_first_block(seq, self.block_size)  # week 22
         first, end = computed_before // self.block_size, after // self.block_size
         hashes = self._block_hashes(seq, end)
         for i in range(first, end):

@@ -47,7 +47,7 @@ class Sequence:
     stop_checker: StopChecker | None = None  # stop strings: see StopChecker
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     block_table: list[int] = field(default_factory=list)
     block_table_version: int = 0  # bumped when the table is given back: until then it only grows
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -59,6 +59,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # when each output token came out
     num_preemptions: int = 0
     num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
+    keep_kv: bool = False  # issue 35, on a prefill instance: its blocks outlive it until their KV is sent
     lora_id: int = 0  # week 22: the adapter it runs under (the engine's id for it), 0 for the base model
     prompt_len: int = field(init=False)
 
@@ -137,3 +138,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    # Issue 35, the CPU tier behind the prefix cache (nanoserve/scheduler/cpu_tier.py): block copies
+    # to run before the forward pass, offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    reloads: list[tuple[int, int]] = field(default_factory=list)

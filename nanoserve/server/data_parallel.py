@@ -236,9 +236,10 @@ async def health_report(client: httpx.AsyncClient, router: Router) -> JSONRespon
 # ------------------------------------------------------------------------------ the processes
 
 
-def replica_argv(argv: list[str]) -> list[str]:
+def replica_argv(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
     """`nanoserve serve` options for a replica: the front's, less --data-parallel-size, --host
-    and --port (each replica gets its own loopback port)."""
+    and --port (each replica gets its own loopback port), and less the flags (without a value)
+    named in `also`."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -248,17 +249,24 @@ def replica_argv(argv: list[str]) -> list[str]:
         if name in ("--data-parallel-size", "-dp", "--host", "--port"):
             skip = "=" not in a
             continue
+        if name in also:
+            continue
         out.append(a)
     return out
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else 0, 1, 2, ...)."""
+    import torch
+
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def visible_devices(index: int, per_replica: int) -> str:
     """The GPUs replica `index` may see: the index-th group of `per_replica` of those this
     process sees (CUDA_VISIBLE_DEVICES, else 0, 1, 2, ...)."""
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    import torch
-
-    ids = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+    ids = visible_gpus()
     mine = ids[index * per_replica : (index + 1) * per_replica]
     if len(mine) < per_replica:
         raise ValueError(f"replica {index} needs {per_replica} GPU(s) but only {len(ids)} are visible for "
@@ -275,7 +283,7 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
     n, tp = args.data_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size  # GPUs per replica
-    cuda = (args.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
+    cuda = (args.device or ("cuda" if cuda_available() else "cpu")).startswith("cuda")
     procs, urls = [], []
     # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills
     # this process on the spot, skipping `finally`; and uvicorn, which handles it while it serves,
@@ -334,7 +342,7 @@ def end_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nanoserve.engine.async_engine import AsyncEngine, QueueFull
 from nanoserve.engine.distributed import WorkerFailed
 from nanoserve.engine.outputs import RequestOutput
+from nanoserve.runner.kv_connector import TransferFailed, TransferTimedOut
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import (
@@ -234,9 +235,12 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
     stream, include_usage = stream_fields(body)
     priority = request_priority(body, state.engine.scheduling_policy)
     check_schema(body, chat)  # the last check before the engine: the body fits its published model
+    kv_transfer = kv_transfer_params(body, prompt_ids, n, stream, echo)
+    if kv_transfer is not None and isinstance(kv_transfer.get("prompt_token_ids"), list):
+        prompt_ids = [kv_transfer["prompt_token_ids"]]  # a decode instance: the prompt whose KV comes
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     lora = body["model"] if body["model"] != state.model_name else None  # week 22: an adapter, by name
-    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id, lora)
+    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora)
     meta = dict(id=request_id, created=int(time.time()), model=body["model"])
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
     total = len(streams)
@@ -258,12 +262,32 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
         return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
                                        "param": None, "code": None}}, status_code=499)
     if chat:
-        return chat_completion(meta, lasts, tools, state.token_strings, prompt_tokens)
-    return text_completion(meta, lasts, n, echo, state.token_strings, prompt_tokens)
+        answer = chat_completion(meta, lasts, tools, state.token_strings, prompt_tokens)
+    else:
+        answer = text_completion(meta, lasts, n, echo, state.token_strings, prompt_tokens)
+    if kv_transfer is not None:  # issue 35, a prefill instance: what the decode instance needs (None: all done)
+        answer["kv_transfer_params"] = lasts[0].kv_transfer
+    return answer
+
+
+def kv_transfer_params(body: dict, prompt_ids: list[list[int]], n: int, stream: bool,
+                       echo: list[str] | None) -> dict | None:
+    """Issue 35: the request's `kv_transfer_params` (disaggregated serving: what the proxy sends a
+    prefill or decode instance, nanoserve/server/disaggregated.py), or None."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if len(prompt_ids) != 1 or n != 1 or echo is not None:
+        raise APIError(400, "'kv_transfer_params' takes one prompt, n = 1 and no echo", param="kv_transfer_params")
+    if value.get("send") and stream:
+        raise APIError(400, "a prefill instance answers 'kv_transfer_params' in one JSON body: send 'stream': false",
+                       param="stream")
+    return value
 
 
 async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: SamplingParams, n: int,
-                 priority: int, request_id: str, lora: str | None = None) -> tuple[list, list[RequestOutput]]:
+                 priority: int, request_id: str, kv_transfer: dict | None = None,
+                 lora: str | None = None) -> tuple[list, list[RequestOutput]]:
     """Start every choice on the engine and await its first output: (the engine generators, their
     first outputs), choice k the (k % n)-th of prompt k // n. Every reason to refuse the request
     surfaces here, as an APIError, before a byte of the response is sent; the choices already
@@ -286,7 +310,7 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
             for k in wave:
                 name = request_id if total == 1 else f"{request_id}-{k}"
                 streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
-                                             request_id=name, lora=lora)
+                                             request_id=name, kv_transfer=kv_transfer, lora=lora)
             # admission errors surface here, before any byte is sent
             results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
             for k, result in zip(wave, results):
@@ -296,6 +320,10 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
         started = True
     except WorkerFailed as e:  # week 18: a rank of the engine is gone; nothing more can run
         raise APIError(503, f"the engine cannot serve: {e}", code="engine_failed", type_="server_error") from None
+    except TransferTimedOut as e:  # issue 35: this request's KV did not come from the prefill instance in time
+        raise APIError(504, str(e), code="kv_transfer_timeout", type_="server_error") from None
+    except TransferFailed as e:  # issue 35: the prefill instance is gone, or lost this request's KV
+        raise APIError(502, str(e), code="kv_transfer_failed", type_="server_error") from None
     except (QueueFull, ValueError) as e:
         if isinstance(e, ValueError):
             raise APIError(400, str(e)) from None

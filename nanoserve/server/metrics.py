@@ -151,6 +151,45 @@ class EngineCollector:
             yield counter("spec_decode_num_accepted_tokens", "Guessed tokens the target accepted", p["accepted"])
             yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification steps", p["emitted"])
         # <<< week16: engine-metrics
+        yield from cpu_tier_metrics(self.engine.stats().get("prefix_cache"))
+        yield from kv_transfer_metrics(self.engine.stats().get("kv_transfer"))
+
+
+def kv_transfer_metrics(t: dict | None):
+    """Issue 35, on an instance of a disaggregated pair (`t`: its KV connector's counters): the
+    transfers and their bytes, each way, the failed ones, and the seconds the received ones took
+    (rate(seconds) / rate(received): the mean time of a transfer; bytes over seconds: its bandwidth)."""
+    if t is None:
+        return
+    for name, doc, sent, received in (("kv_transfers", "Requests' KV moved between instances", "sent", "received"),
+                                      ("kv_transfer_bytes", "Bytes of KV moved between instances", "bytes_sent",
+                                       "bytes_received")):
+        family = CounterMetricFamily(f"nanoserve:{name}", doc, labels=["direction"])
+        family.add_metric(["sent"], t[sent])
+        family.add_metric(["received"], t[received])
+        yield family
+    yield CounterMetricFamily("nanoserve:kv_transfer_failures", "KV transfers that failed or timed out (their "
+                              "requests failed)", value=t["failed"])
+    yield CounterMetricFamily("nanoserve:kv_transfer_seconds", "Seconds the received KV transfers took, from the "
+                              "pull to the bytes in the blocks", value=t["seconds_received"])
+
+
+def cpu_tier_metrics(p: dict | None):
+    """Issue 35, when the prefix cache has a CPU tier behind it (`p`: its counters): the hits of
+    each tier, in prompt tokens, and the blocks copied each way and dropped from the CPU tier."""
+    if p is None or "cpu_hit_tokens" not in p:
+        return
+    hits = CounterMetricFamily("nanoserve:prefix_cache_tier_hits", "Prompt tokens found in the prefix cache, by the "
+                               "tier that held them", labels=["tier"])
+    hits.add_metric(["gpu"], p["gpu_hit_tokens"])
+    hits.add_metric(["cpu"], p["cpu_hit_tokens"])
+    yield hits
+    yield CounterMetricFamily("nanoserve:kv_offloads", "KV blocks copied from the GPU pool to the CPU tier",
+                              value=p["offloads"])
+    yield CounterMetricFamily("nanoserve:kv_reloads", "KV blocks copied back from the CPU tier to the GPU pool",
+                              value=p["reloads"])
+    yield CounterMetricFamily("nanoserve:cpu_cache_evictions", "Blocks dropped from the full CPU tier for good",
+                              value=p["cpu_evictions"])
 
 
 class RequestLog:

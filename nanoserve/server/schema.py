@@ -124,6 +124,8 @@ class SamplingFields(Strict):
     ignore_eos: bool | None = Field(None, description="go on past EOS (nanoserve)")
     priority: Int(ge=INT64_MIN, le=INT64_MAX, description="lower runs first; needs --scheduling-policy "
                                                            "priority (nanoserve)") | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="disaggregated serving, between the proxy and a --role prefill or decode instance (nanoserve)")
 
 
 class CompletionRequest(SamplingFields):

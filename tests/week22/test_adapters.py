@@ -180,6 +180,8 @@ def test_what_lora_does_not_combine_with_is_refused_at_once():
         EngineConfig(max_loras=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor and pipeline parallelism do not take them yet"):
         EngineConfig(lora_modules={"a": "/x"}, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters with --quantization are not supported yet"):
+        EngineConfig(max_loras=1, quantization="int8")
     with pytest.raises(ValueError, match="at least one device slot"):
         EngineConfig(lora_modules={"a": "/x"}, max_loras=0)
     assert (EngineConfig(lora_modules={"a": "/x"}).max_loras, EngineConfig().max_loras) == (4, 0)

@@ -49,7 +49,7 @@ def test_a_batch_mixing_adapters_equals_each_request_alone(tiny, adapters, max_l
     by_id = {out.request_id: name for out, (_, name) in zip(batch, requests)}
     adapters_per_step = [len({by_id[i] for i in step.seq_ids} - {None}) for step in engine.trace]
     assert max(adapters_per_step) == max_loras  # the slots are used, and never exceeded
-    stats = engine.lora_stats()
+    stats = engine.adapters.stats()
     if max_loras == 1:
         assert stats["steps_held"] > 0 and stats["evictions"] > 0
     assert stats["resident"] <= max_loras
