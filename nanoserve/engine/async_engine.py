@@ -46,12 +46,12 @@ class AsyncEngine:
         self.options: dict[int, dict] = {}  # our key -> the options it was submitted with
         self.listeners: list = []  # callables (final RequestOutput, options), run on the event loop
         self.num_pending = 0  # read and written on the event loop only
-        # Week 22: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
-        self.lora_names: tuple[str, ...] = tuple(engine.adapters.ids)
         self._keys = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        # Week 22: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
+        self.lora_names: tuple[str, ...] = tuple(engine.adapters.ids)
 
     def start(self) -> "AsyncEngine":
         self.thread.start()

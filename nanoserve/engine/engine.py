@@ -321,8 +321,6 @@ class Engine:
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())
         batch = self.scheduler.schedule()
-        if self.runner.lora is not None:  # week 22: the adapters of running requests keep their slots
-            self.runner.lora.in_use = self.scheduler.adapters_in_use()
         if run_async:  # week 12: launch this batch, then resolve the step launched before it
             done = self.run_step_async(batch)
         elif batch.seqs:

@@ -27,6 +27,8 @@ class LoRARegistry:
                  scheduler: Scheduler, sequences: dict[int, Sequence]):
         self.pool, self.config, self.max_rank, self.base_model = pool, config, max_rank, base_model
         self.scheduler, self.sequences = scheduler, sequences
+        if pool is not None:  # the slots of running requests' adapters are never taken
+            pool.running = scheduler.adapters_in_use
         self.ids: dict[str, int] = {}
         self._next_id = itertools.count(1)
 
@@ -63,7 +65,6 @@ class LoRARegistry:
         users = sum(seq.lora_id == lora_id for seq in self.sequences.values())
         if users:
             raise ValueError(f"adapter {name!r} is in use by {users} request(s); unload it once they finish")
-        self.pool.in_use = self.scheduler.adapters_in_use()
         self.pool.remove(lora_id)
         del self.ids[name]
 

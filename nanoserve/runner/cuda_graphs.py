@@ -141,13 +141,12 @@ class CUDAGraphDecoder:
             self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=device)
             self.host_lora_order = torch.zeros(most, dtype=torch.int32, pin_memory=pin)
             self.host_lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, pin_memory=pin)
+            # Every graph's LoRA layers read these (the kernels never read past a slot's rows, so one view of
+            # the whole order buffer serves every size); the layers point at them while graphs are captured.
+            self.lora_rows = LoRARows(self.lora_order, self.lora_starts)
+            lora.rows = self.lora_rows
         if self.capture:
             self._capture()
-
-    def use_lora_buffers(self, num_tokens: int) -> None:
-        """Week 22: point the LoRA layers at the fixed buffers, for a forward pass of `num_tokens` rows."""
-        if self.lora is not None:
-            self.lora.rows = LoRARows(self.lora_order[:num_tokens], self.lora_starts)
 
     def stage_lora(self, step: StepInput) -> None:
         """Week 22: write the step's rows by adapter slot into the buffers (padding rows use none),
@@ -155,6 +154,7 @@ class CUDAGraphDecoder:
         last step's copies out of the mirrors; the event is recorded again once these are sent."""
         if self.lora is None:
             return
+        self.lora.rows = self.lora_rows  # what a captured graph reads anyway; an uncaptured pass (CPU) needs it
         order, starts = group_rows(step.lora_slots, self.lora.max_loras)
         self.host_lora_starts.numpy()[:] = starts
         self.lora_starts.copy_(self.host_lora_starts, non_blocking=True)
@@ -166,7 +166,6 @@ class CUDAGraphDecoder:
     def _forward(self, bs: int) -> torch.Tensor:
         """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
         input_ids, positions, slots, context_lens = self.inputs[:4, :bs]
-        self.use_lora_buffers(bs)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[: bs + 1],
                                       context_lens=context_lens, block_tables=self.block_tables[:bs],
                                       max_query_len=1, max_context_len=self.max_model_len)
@@ -176,7 +175,6 @@ class CUDAGraphDecoder:
     def _forward_verify(self, bs: int, q: int) -> torch.Tensor:
         """Week 17: the forward pass for `bs` sequences of q new tokens each, all rows sampled."""
         input_ids, positions, slots = self.vinputs[:, : bs * q]
-        self.use_lora_buffers(bs * q)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.vstarts[q][: bs + 1],
                                       context_lens=self.vcontext[:bs], block_tables=self.block_tables[:bs],
                                       max_query_len=q, max_context_len=self.max_model_len)
@@ -187,7 +185,6 @@ class CUDAGraphDecoder:
         """Week 15: the forward pass of a mixed step padded to t tokens; logits of the sampled rows."""
         input_ids, positions, slots = self.minputs[:3, :t]
         context_lens, sampled = self.mseqs
-        self.use_lora_buffers(t)
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.mstarts, context_lens=context_lens,
                                       block_tables=self.block_tables, max_query_len=t,
                                       max_context_len=self.max_model_len)

@@ -11,6 +11,7 @@ adapters than there are slots, so a step always finds room, and the pool says so
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from nanoserve.model.lora import Adapter, LoRALinear, LoRAState
 
@@ -24,7 +25,9 @@ class AdapterPool:
         self.adapters: dict[int, Adapter] = {}  # every registered adapter, on the host
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))  # pop() takes slot 0 first
-        self.in_use: set[int] = set()  # adapter ids running requests hold (the engine sets it each step)
+        # The adapter ids running requests hold: asked when a slot must be freed (the engine hands the
+        # scheduler's `adapters_in_use`; the runner knows no sequences).
+        self.running: Callable[[], set[int]] = set
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -39,7 +42,7 @@ class AdapterPool:
 
     def remove(self, lora_id: int) -> None:
         """Forget an adapter (the engine refuses while requests use it); its slot becomes free."""
-        if lora_id in self.in_use:
+        if lora_id in self.running():
             raise ValueError(f"adapter {self.adapters[lora_id].name!r} is in use by running requests")
         del self.adapters[lora_id]
         slot = self.resident.pop(lora_id, None)
@@ -49,16 +52,19 @@ class AdapterPool:
     def slots(self, lora_ids: list[int]) -> list[int]:
         """The slot of each adapter id (-1 for 0, no adapter), loading the ones not resident."""
         for lora_id in dict.fromkeys(i for i in lora_ids if i):  # each distinct adapter once, in order
-            self.make_resident(lora_id, pinned=set(lora_ids) | self.in_use)
+            self.make_resident(lora_id, step=set(lora_ids))
         return [self.resident[i] if i else -1 for i in lora_ids]
 
-    def make_resident(self, lora_id: int, pinned: set[int]) -> int:
+    def make_resident(self, lora_id: int, step: set[int]) -> int:
+        """The slot of `lora_id`, loaded if it is not resident; never one of the adapters of this step
+        (`step`) or of a running request."""
         if lora_id in self.resident:
             self.resident.move_to_end(lora_id)
             return self.resident[lora_id]
         if self.free_slots:
             slot = self.free_slots.pop()
         else:
+            pinned = step | self.running()
             victim = next((i for i in self.resident if i not in pinned), None)
             if victim is None:
                 raise RuntimeError(f"all {self.max_loras} adapter slots are held by running requests; the scheduler "

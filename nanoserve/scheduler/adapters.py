@@ -5,19 +5,21 @@ Python, no torch: the scheduler never sees an adapter's weights, only its id (`S
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from nanoserve.scheduler.prefix_cache import block_hash
 from nanoserve.scheduler.sequence import Sequence
 
 
-def hold_back(waiting: deque[Sequence], in_use: set[int], max_loras: int) -> tuple[deque[Sequence], list[Sequence]]:
+def hold_back(waiting: deque[Sequence], in_use: Callable[[], set[int]], max_loras: int
+              ) -> tuple[deque[Sequence], list[Sequence]]:
     """Split the queue at the first sequence whose adapter finds no slot, the running sequences
-    (their adapters: `in_use`) and those ahead of it in the queue using `max_loras` adapters already:
+    (their adapters: `in_use()`) and those ahead of it in the queue using `max_loras` adapters already:
     (the queue the policies see this step, the sequences held back). The held ones wait, FCFS, for
     an adapter to finish; nobody behind the first of them overtakes it. (max_loras 0: no LoRA.)"""
     if not max_loras:
         return waiting, []
-    adapters = set(in_use)
+    adapters = in_use()
     for i, seq in enumerate(waiting):
         if seq.lora_id and seq.lora_id not in adapters:
             if len(adapters) == max_loras:

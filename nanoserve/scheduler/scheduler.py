@@ -101,8 +101,8 @@ class Scheduler:
                 f"tokens can never fit in the KV pool ({self.allocator.num_blocks} blocks of "
                 f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
-        name_first_block(seq, self.block_size)  # week 22
         self.waiting.append(seq)
+        name_first_block(seq, self.block_size)  # week 22
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.ending)
@@ -152,7 +152,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.by_priority:
             self._order_by_priority()
-        self.waiting, held = hold_back(self.waiting, self.adapters_in_use(), self.max_loras)  # week 22
+        self.waiting, held = hold_back(self.waiting, self.adapters_in_use, self.max_loras)  # week 22
         self.num_held_for_adapters += bool(held)
         if self.batching == "admit-all":
             batch = self._schedule_admit_all()
@@ -162,8 +162,8 @@ class Scheduler:
             batch = self._schedule_chunked()
         else:
             batch = self._schedule_continuous()
-        self.waiting.extend(held)
         self.num_scheduled_tokens += batch.num_scheduled_tokens
+        self.waiting.extend(held)
         self.attach_copies(batch)
         return batch
 

@@ -39,14 +39,14 @@ def test_the_pool_evicts_the_least_recently_used(pool):
 
 def test_a_slot_in_use_is_never_taken(pool):
     pool.slots([1, 2])
-    pool.in_use = {1, 2}  # running requests hold both slots
+    pool.running = lambda: {1, 2}  # running requests hold both slots
     with pytest.raises(RuntimeError, match="all 2 adapter slots are held by running requests"):
         pool.slots([3])
-    pool.in_use = {2}
+    pool.running = lambda: {2}
     assert pool.slots([3]) == [0]  # 1's slot: 1 is not running any more
     with pytest.raises(ValueError, match="in use by running requests"):
         pool.remove(2)
-    pool.in_use = set()
+    pool.running = set
     pool.remove(2)
     assert pool.free_slots == [1] and 2 not in pool.adapters
 
