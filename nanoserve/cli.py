@@ -142,7 +142,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def with_lora_adapter(args: argparse.Namespace) -> str | None:
-    """Week 22: `--lora PATH` of generate and chat, added to the engine's --lora-modules under the
+    """Week 23: `--lora PATH` of generate and chat, added to the engine's --lora-modules under the
     folder's name; returns that name (None without --lora)."""
     if args.lora is None:
         return None
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("message", nargs="?", default=None, help="answer this one message and exit")
     add_sampling(chat, max_tokens=512, command="chat")
     chat.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
-    chat.add_argument("--lora", default=None, metavar="PATH", help="answer with this LoRA adapter (a PEFT folder; week 22)")
+    chat.add_argument("--lora", default=None, metavar="PATH", help="answer with this LoRA adapter (a PEFT folder; week 23)")
     EngineConfig.add_arguments(chat, default_model="smollm2")
     chat.set_defaults(func=cmd_chat)
 
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_sampling(gen, max_tokens=48, command="generate")
     gen.add_argument("--no-cache", action="store_true", help="week 2's loop: recompute everything per token")
-    gen.add_argument("--lora", default=None, metavar="PATH", help="generate with this LoRA adapter (a PEFT folder; week 22)")
+    gen.add_argument("--lora", default=None, metavar="PATH", help="generate with this LoRA adapter (a PEFT folder; week 23)")
     EngineConfig.add_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 

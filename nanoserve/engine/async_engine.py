@@ -50,7 +50,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        # Week 22: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
+        # Week 23: the adapters' names as of the last load or unload (a tuple: read from the event loop at any time)
         self.lora_names: tuple[str, ...] = tuple(engine.adapters.ids)
 
     def start(self) -> "AsyncEngine":
@@ -155,7 +155,7 @@ class AsyncEngine:
         # <<< week10: async-generate
 
     async def load_lora(self, name: str, path: str) -> None:
-        """Week 22: the adapter read and checked on a worker thread (the steps go on), then
+        """Week 23: the adapter read and checked on a worker thread (the steps go on), then
         `Engine.adapters.add` on the engine thread. Their ValueErrors are raised here."""
         import asyncio
 
@@ -163,7 +163,7 @@ class AsyncEngine:
         await self._on_engine_thread(lambda engine: engine.adapters.add(name, adapter))
 
     async def unload_lora(self, name: str) -> None:
-        """Week 22: `Engine.adapters.remove` on the engine thread (its ValueError raised here)."""
+        """Week 23: `Engine.adapters.remove` on the engine thread (its ValueError raised here)."""
         await self._on_engine_thread(lambda engine: engine.adapters.remove(name))
 
     async def _on_engine_thread(self, change) -> None:
@@ -212,7 +212,7 @@ class AsyncEngine:
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)
                     del self.streams[key]
-            elif command[0] == "call":  # week 22: load or unload an adapter
+            elif command[0] == "call":  # week 23: load or unload an adapter
                 _, change, loop, done = command
                 try:
                     change(self.engine)

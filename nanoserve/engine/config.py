@@ -74,14 +74,14 @@ class EngineConfig:
     kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
     kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
     kv_transfer_timeout: float = 30.0  # issue 35: seconds a KV transfer may take before its request fails
-    lora_modules: dict[str, str] | None = None  # week 22: LoRA adapters to load at start, name -> PEFT folder
-    max_loras: int | None = None  # week 22: adapters resident on the device at once; default: 4 with lora_modules,
+    lora_modules: dict[str, str] | None = None  # week 23: LoRA adapters to load at start, name -> PEFT folder
+    max_loras: int | None = None  # week 23: adapters resident on the device at once; default: 4 with lora_modules,
     # else 0 (no LoRA layers; a positive value turns them on, for adapters loaded at run time)
-    max_lora_rank: int | None = None  # week 22: the largest adapter rank accepted; default: 16 (with LoRA on)
+    max_lora_rank: int | None = None  # week 23: the largest adapter rank accepted; default: 16 (with LoRA on)
 
     @property
     def lora(self) -> bool:
-        """Week 22: whether the model gets LoRA layers."""
+        """Week 23: whether the model gets LoRA layers."""
         return bool(self.max_loras)
 
     @property
@@ -119,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"--ray-placement {self.ray_placement} places Ray actors: it needs --distributed-executor ray")
 
     def _check_lora(self) -> None:
-        """Week 22: LoRA's defaults, and what it refuses."""
+        """Week 23: LoRA's defaults, and what it refuses."""
         if self.max_loras is None:
             self.max_loras = 4 if self.lora_modules else 0
         if self.max_loras < 0 or (self.lora_modules and not self.max_loras):
@@ -244,15 +244,15 @@ def add_quantization_arguments(p) -> None:
 
 
 def add_lora_arguments(p) -> None:
-    """Week 22's options, in the engine's group."""
+    """Week 23's options, in the engine's group."""
     p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) to serve, each by a name requests give as their model "
-                        "(week 22; repeatable)")
+                        "(week 23; repeatable)")
     p.add_argument("--max-loras", type=int, default=None,
                    help="adapters resident on the device at once, the others waiting in host memory "
-                        "(week 22; default: 4 with --lora-modules, else 0: no LoRA)")
+                        "(week 23; default: 4 with --lora-modules, else 0: no LoRA)")
     p.add_argument("--max-lora-rank", type=int, default=None,
-                   help="the largest adapter rank accepted (week 22; default: 16 with LoRA on)")
+                   help="the largest adapter rank accepted (week 23; default: 16 with LoRA on)")
 
 
 def parse_lora_modules(specs: list[str]) -> dict[str, str]:

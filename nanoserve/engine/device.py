@@ -80,7 +80,7 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
                        fused_kernels=c.fused_kernels if c.fused_kernels is not None else week12)
-    if c.lora:  # week 22: LoRA layers swapped in for the model's linear layers, their slots in a pool
+    if c.lora:  # week 23: LoRA layers swapped in for the model's linear layers, their slots in a pool
         runner_args["lora"] = AdapterPool(*enable_lora(model, c.max_loras, c.max_lora_rank))
     runner_class = PipelineRunner if pipeline else ModelRunner
     if pipeline:

@@ -118,7 +118,7 @@ class Engine:
         self._grammar_tokenizer = None  # structured output (week 10): built on first use
         self.sequences: dict[int, Sequence] = {}
         self.adapters = LoRARegistry(self.runner.lora, cfg, c.max_lora_rank, self.model_name, self.scheduler,
-                                     self.sequences)  # week 22: the LoRA adapters served, by name
+                                     self.sequences)  # week 23: the LoRA adapters served, by name
         for name, path in (c.lora_modules or {}).items():
             self.adapters.add(name, path)
         self.num_steps = 0
@@ -172,7 +172,7 @@ class Engine:
         nanoserve/engine/disaggregation.py): on a prefill instance `{"send": True}` keeps the
         prompt's KV for a decode instance; on a decode instance, what the prefill instance answered
         (then `prompt` is ignored: the prompt is the one whose KV comes). `lora` names a loaded
-        adapter (week 22) to run it under; None: the base model.
+        adapter (week 23) to run it under; None: the base model.
 
         With `stream=False` the request produces one output, when it finishes, and its text is
         decoded once at the end instead of token by token (unless it has stop strings, which
@@ -480,7 +480,7 @@ class LLM:
         self.close()
 
     def add_lora(self, name: str, path: str | os.PathLike) -> None:
-        """Week 22: load a PEFT LoRA adapter under `name`, for `generate(..., lora=name)`."""
+        """Week 23: load a PEFT LoRA adapter under `name`, for `generate(..., lora=name)`."""
         self.engine.adapters.add(name, path)
 
     def remove_lora(self, name: str) -> None:
@@ -489,7 +489,7 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, lora: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """Complete every prompt. `lora` (week 22): the adapter every prompt runs under, or one per
+        """Complete every prompt. `lora` (week 23): the adapter every prompt runs under, or one per
         prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt

@@ -1,4 +1,4 @@
-"""Week 22: the LoRA adapters an engine serves, by name.
+"""Week 23: the LoRA adapters an engine serves, by name.
 
 An adapter is read and checked against the model (`nanoserve.model.lora.read_adapter`), given an
 id, and handed to the runner's pool (`nanoserve.runner.lora.AdapterPool`), which keeps it in host

@@ -1,4 +1,4 @@
-"""Week 22: the adapters' low-rank products of a whole batch, in two Triton kernels.
+"""Week 23: the adapters' low-rank products of a whole batch, in two Triton kernels.
 
 A step's rows belong to different adapters (or none). Looping over the adapters in Python, as
 the reference `nanoserve.model.lora.add_lora` does, costs a gather, two matrix products and a

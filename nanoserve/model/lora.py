@@ -1,4 +1,4 @@
-"""Week 22: LoRA adapters, many at once over one base model.
+"""Week 23: LoRA adapters, many at once over one base model.
 
 A LoRA adapter changes a linear layer y = x Wᵀ into y = x Wᵀ + s · (x Aᵀ) Bᵀ, with A [r, in] and
 B [out, r] of a small rank r and a scale s (alpha / r). Merged into W, an adapter costs nothing,

@@ -131,7 +131,7 @@ class CUDAGraphDecoder:
         # Async scheduling: when the host runs a step ahead, it may refill the pinned mirrors before the GPU
         # has copied the last step's values out of them; this event marks those copies done.
         self.copied = torch.cuda.Event() if self.capture else None
-        # Week 22: the LoRA layers' rows of every graph, in fixed buffers: the rows grouped by adapter slot
+        # Week 23: the LoRA layers' rows of every graph, in fixed buffers: the rows grouped by adapter slot
         # and where each slot's group starts (all groups empty: no adapter, and the kernels return at once).
         self.lora = lora
         if lora is not None:
@@ -149,7 +149,7 @@ class CUDAGraphDecoder:
             self._capture()
 
     def stage_lora(self, step: StepInput) -> None:
-        """Week 22: write the step's rows by adapter slot into the buffers (padding rows use none),
+        """Week 23: write the step's rows by adapter slot into the buffers (padding rows use none),
         through pinned mirrors as the other inputs. Called after a `stage*`, which waited for the
         last step's copies out of the mirrors; the event is recorded again once these are sent."""
         if self.lora is None:

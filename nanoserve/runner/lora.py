@@ -1,4 +1,4 @@
-"""Week 22: the adapter pool. Every registered adapter is kept in host memory; `max_loras` of them
+"""Week 23: the adapter pool. Every registered adapter is kept in host memory; `max_loras` of them
 are resident on the device, in the slots of the LoRA layers' buffers (`nanoserve/model/lora.py`).
 
 A step's adapters are made resident before it runs: one already in a slot is just marked as

@@ -35,7 +35,7 @@ class ModelRunner:
                  fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0,
                  cpu_blocks: int = 0, lora: AdapterPool | None = None):
         self.model = model
-        self.lora = lora  # week 22: the adapters, when the model has LoRA layers (`enable_lora`)
+        self.lora = lora  # week 23: the adapters, when the model has LoRA layers (`enable_lora`)
         self.device = model.embed_tokens.weight.device
         self.workers = None  # week 18, on the driver: the other ranks (nanoserve.engine.distributed.Workers)
         self.prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}  # prompt logprobs: seq_id -> position -> logprob
@@ -56,7 +56,7 @@ class ModelRunner:
 
             self.context_class = TritonPagedContext
             use_fused_kernels(model, self.fused)
-            if lora is not None:  # week 22: the adapters' products in two kernels (`nanoserve/kernels/lora.py`)
+            if lora is not None:  # week 23: the adapters' products in two kernels (`nanoserve/kernels/lora.py`)
                 from nanoserve.kernels.lora import use_lora_kernels
 
                 use_lora_kernels(lora.state)
@@ -107,7 +107,7 @@ class ModelRunner:
         self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
 
     def lora_slots(self, batch: Batch) -> list[int]:
-        """Week 22: each input token's adapter slot (its sequence's; -1: none), the adapters made resident
+        """Week 23: each input token's adapter slot (its sequence's; -1: none), the adapters made resident
         first; [] when no sequence of the batch has one."""
         if self.lora is None or not any(seq.lora_id for seq in batch.seqs):
             return []
@@ -115,7 +115,7 @@ class ModelRunner:
         return [slot for slot, n in zip(slots, batch.num_new_tokens) for _ in range(n)]
 
     def set_lora_rows(self, step: StepInput) -> None:
-        """Week 22: tell the LoRA layers which rows of this eager step use which slot."""
+        """Week 23: tell the LoRA layers which rows of this eager step use which slot."""
         if self.lora is not None:
             self.lora.state.rows = lora_rows(step.lora_slots, self.lora.max_loras, self.device)
 
@@ -159,7 +159,7 @@ class ModelRunner:
         device, and the row of each sequence's token among them. A sequence whose newest token
         is a placeholder (`PENDING`) takes it from there."""
         step = self.step_input(batch)
-        step.lora_slots = self.lora_slots(batch)  # week 22
+        step.lora_slots = self.lora_slots(batch)  # week 23
         last_tokens = None
         if last is not None:
             last_tokens, rows = last

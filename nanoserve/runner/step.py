@@ -25,7 +25,7 @@ class StepInput:
     # pass, offloads (GPU block, CPU slot) first, then reloads (CPU slot, GPU block).
     offloads: list[tuple[int, int]] = field(default_factory=list)
     reloads: list[tuple[int, int]] = field(default_factory=list)
-    # Week 22: the adapter slot of each input token (-1: the base model); empty when no token has one.
+    # Week 23: the adapter slot of each input token (-1: the base model); empty when no token has one.
     lora_slots: list[int] = field(default_factory=list)
 
     @property

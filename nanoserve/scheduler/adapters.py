@@ -1,4 +1,4 @@
-"""Week 22: what the scheduler knows of LoRA adapters: how many distinct ones may run at once (the
+"""Week 23: what the scheduler knows of LoRA adapters: how many distinct ones may run at once (the
 device's adapter slots), and that a prompt's KV under one adapter is no other adapter's. Plain
 Python, no torch: the scheduler never sees an adapter's weights, only its id (`Sequence.lora_id`)."""
 

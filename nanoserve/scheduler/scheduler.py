@@ -88,7 +88,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens sent through the model so far, prefill and decode
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
-        self.max_loras = max_loras  # week 22: distinct adapters running at once (the device's slots)
+        self.max_loras = max_loras  # week 23: distinct adapters running at once (the device's slots)
         self.num_held_for_adapters = 0  # steps in which the head of the queue waited for an adapter slot
 
     # -- requests in and out ----------------------------------------------------------------
@@ -102,7 +102,7 @@ class Scheduler:
                 f"{self.block_size} tokens): shorten it or lower max_tokens"
             )
         self.waiting.append(seq)
-        name_first_block(seq, self.block_size)  # week 22
+        name_first_block(seq, self.block_size)  # week 23
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.ending)
@@ -152,7 +152,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.by_priority:
             self._order_by_priority()
-        self.waiting, held = hold_back(self.waiting, self.adapters_in_use, self.max_loras)  # week 22
+        self.waiting, held = hold_back(self.waiting, self.adapters_in_use, self.max_loras)  # week 23
         self.num_held_for_adapters += bool(held)
         if self.batching == "admit-all":
             batch = self._schedule_admit_all()
@@ -290,7 +290,7 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence, computed_before: int, computed_after: int | None = None) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
         after = seq.num_computed if computed_after is None else computed_after
-        name_first_block(seq, self.block_size)  # week 22
+        name_first_block(seq, self.block_size)  # week 23
         first, end = computed_before // self.block_size, after // self.block_size
         hashes = self._block_hashes(seq, end)
         for i in range(first, end):

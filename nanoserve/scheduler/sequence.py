@@ -60,7 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
     keep_kv: bool = False  # issue 35, on a prefill instance: its blocks outlive it until their KV is sent
-    lora_id: int = 0  # week 22: the adapter it runs under (the engine's id for it), 0 for the base model
+    lora_id: int = 0  # week 23: the adapter it runs under (the engine's id for it), 0 for the base model
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes | None:
-        """Week 22: what seeds its prefix cache's hash chain: under an adapter the same tokens have other
+        """Week 23: what seeds its prefix cache's hash chain: under an adapter the same tokens have other
         K/V, so its blocks must never be found by the base model's prompts or another adapter's."""
         return f"lora:{self.lora_id}".encode() if self.lora_id else None
 

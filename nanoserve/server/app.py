@@ -372,7 +372,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
         return tokenizer_api.tokenizer_info(state)
-    lora_api.add_routes(app, state)  # week 22: load and unload adapters
+    lora_api.add_routes(app, state)  # week 23: load and unload adapters
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:

@@ -24,7 +24,7 @@ class ChatSession:
 
     def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None, lora: str | None = None):
         self.engine = engine
-        self.lora = lora  # week 22: the adapter (a name the engine loaded) every answer runs under
+        self.lora = lora  # week 23: the adapter (a name the engine loaded) every answer runs under
         self.params = params
         self.system = system
         self.messages: list[dict[str, str]] = []

@@ -95,7 +95,7 @@ def metrics_page(state: ServerState) -> Response:
 
 
 def list_models(state: ServerState) -> dict:
-    """`GET /v1/models`: the model served, then its LoRA adapters (week 22)."""
+    """`GET /v1/models`: the model served, then its LoRA adapters (week 23)."""
     return {"object": "list", "data": [model_card(state, name) for name in (state.model_name, *state.engine.lora_names)]}
 
 
@@ -239,7 +239,7 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
     if kv_transfer is not None and isinstance(kv_transfer.get("prompt_token_ids"), list):
         prompt_ids = [kv_transfer["prompt_token_ids"]]  # a decode instance: the prompt whose KV comes
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    lora = body["model"] if body["model"] != state.model_name else None  # week 22: an adapter, by name
+    lora = body["model"] if body["model"] != state.model_name else None  # week 23: an adapter, by name
     streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora)
     meta = dict(id=request_id, created=int(time.time()), model=body["model"])
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n

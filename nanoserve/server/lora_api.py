@@ -1,4 +1,4 @@
-"""Week 22: LoRA adapters loaded and unloaded while the server runs (vLLM's routes and fields).
+"""Week 23: LoRA adapters loaded and unloaded while the server runs (vLLM's routes and fields).
 
     POST /v1/load_lora_adapter    {"lora_name": NAME, "lora_path": FOLDER}  -> NAME serves as a `model`
     POST /v1/unload_lora_adapter  {"lora_name": NAME}

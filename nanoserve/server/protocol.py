@@ -279,7 +279,7 @@ def check_schema(body: dict, chat: bool) -> None:
 
 def check_model(body: dict, model_name: str, adapters: tuple[str, ...] = ()) -> None:
     """400 without a string `model`; 404 for a model other than the one this server serves or one
-    of its LoRA adapters (week 22: a request names an adapter as its model, as with vLLM)."""
+    of its LoRA adapters (week 23: a request names an adapter as its model, as with vLLM)."""
     model = _get(body, "model", (str,))
     if model is None:
         raise APIError(400, "'model' is required", param="model")

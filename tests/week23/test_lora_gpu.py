@@ -1,4 +1,4 @@
-"""Week 22 on a GPU (skipped, with the reason, on the CPU): the adapters inside captured CUDA graphs.
+"""Week 23 on a GPU (skipped, with the reason, on the CPU): the adapters inside captured CUDA graphs.
 
 Decode, mixed and padded steps replay graphs whose LoRA kernels read the rows of each slot from
 fixed buffers; async scheduling stages the next step's rows while the GPU runs this one. In

@@ -1,4 +1,4 @@
-"""Week 22 on the command line: `generate` and `chat` take `--lora PATH`; `--lora-modules` is
+"""Week 23 on the command line: `generate` and `chat` take `--lora PATH`; `--lora-modules` is
 checked (NAME=PATH), and its errors are one line."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Week 22's fixtures: a tiny random checkpoint and PEFT adapters made on it (random A and B, B
+"""Week 23's fixtures: a tiny random checkpoint and PEFT adapters made on it (random A and B, B
 non-zero so every adapter changes the outputs), with HF + PEFT as the reference."""
 
 import contextlib
@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.testing import make_checkpoint, tiny_config
 
-peft = pytest.importorskip("peft", reason="week 22's tests make their adapters with peft: pip install peft")
+peft = pytest.importorskip("peft", reason="week 23's tests make their adapters with peft: pip install peft")
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,4 @@
-"""Week 22: the shrink and expand kernels equal the PyTorch reference (`add_lora`), through Triton's
+"""Week 23: the shrink and expand kernels equal the PyTorch reference (`add_lora`), through Triton's
 interpreter on the CPU (compiled on a GPU), for any mix of adapter slots, ranks and shapes; and the
 LoRA layer packs a fused projection's pieces as one block-diagonal adapter."""
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from nanoserve.model.lora import LoRALinear, LoRARows, LoRAState, Piece, add_lora, group_rows, lora_rows
 
-pytest.importorskip("triton", reason="week 22's kernels need the triton package: pip install triton (Linux)")
+pytest.importorskip("triton", reason="week 23's kernels need the triton package: pip install triton (Linux)")
 from nanoserve.kernels.lora import add_lora_triton, lora_shrink  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

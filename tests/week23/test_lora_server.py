@@ -1,4 +1,4 @@
-"""Week 22 over HTTP: a request picks an adapter by `model` (the official openai client), /v1/models
+"""Week 23 over HTTP: a request picks an adapter by `model` (the official openai client), /v1/models
 lists the base model and its adapters, adapters are loaded and unloaded while the server runs
 (the same checks, each refusal a 400 with one line; behind the API key)."""
 
