@@ -30,7 +30,7 @@ from nanoserve.model.quantized import QuantizedLinear
 
 @triton.jit
 def _quant_matmul_kernel(X, Q, S, O, Y, M, N, K, stride_x, stride_q, stride_s, stride_y,
-                         BITS: tl.constexpr, GROUP: tl.constexpr,
+                         BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of W
@@ -50,7 +50,7 @@ def _quant_matmul_kernel(X, Q, S, O, Y, M, N, K, stride_x, stride_q, stride_s, s
         s = tl.load(S + group, mask=both, other=0.0).to(tl.float32)
         o = tl.load(O + group, mask=both, other=0.0).to(tl.float32)
         w = (code * s + o).to(x.dtype)  # [BLOCK_N, BLOCK_K], rounded as the reference rounds the weight
-        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=in_rows[:, None] & in_cols[None, :])
 
@@ -113,7 +113,9 @@ def quant_matmul(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _quant_matmul_kernel[grid](x2, layer.packed, layer.scales, layer.offsets, y, m, n, k,
                                x2.stride(0), layer.packed.stride(0), layer.scales.stride(0), y.stride(0),
-                               BITS=layer.bits, GROUP=layer.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                               BITS=layer.bits, GROUP=layer.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                               # float32 models are the token-exact ones: no TF32 rounding of their products
+                               PRECISION="ieee" if x2.dtype == torch.float32 else "tf32")
     return y.reshape(*shape[:-1], n)
 
 

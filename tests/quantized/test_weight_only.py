@@ -126,6 +126,21 @@ def test_a_quantized_engine_equals_its_dequantized_weights_token_for_token(schem
     assert ours == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels compiled, in CUDA graphs: run on a GPU")
+@pytest.mark.parametrize("scheme,bits", [("int8", 8), ("int4", 4)])
+def test_on_a_gpu_the_kernels_equal_the_dequantized_weights_token_for_token(scheme, bits, tmp_path):
+    """Float32 on CUDA: the compiled kernels (matrix-vector for decode steps, tiles for prompts,
+    inside CUDA graphs) give the greedy tokens of the widened weights."""
+    quantized = LLM("tiny", device="cuda", dtype=torch.float32, quantization=scheme, quantization_group_size=32,
+                    gpu_memory_utilization=0.3)
+    assert all(m.kernel is not None for m in quantized.engine.model.modules() if isinstance(m, QuantizedLinear))
+    reference = LLM(str(dequantized_checkpoint(tmp_path, bits, 32)), device="cuda", dtype=torch.float32,
+                    gpu_memory_utilization=0.3)
+    ours = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
+    assert ours == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
+
+
 def test_int8_keeps_the_models_greedy_tokens_on_the_tiny_model():
     """The error int8 leaves is far below what flips a greedy choice of the tiny model; int4's is
     not (measured here: int4 changes some tokens, which is why its test above compares against
