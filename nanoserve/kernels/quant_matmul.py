@@ -60,6 +60,7 @@ def _quant_gemv_kernel(X, Q, S, O, Y, N, K, stride_x, stride_q, stride_s, stride
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One activation row (program_id 1) against BLOCK_N rows of W: a decode step's product is a
     # matrix-vector one, and a 16-row tile product would be 15/16 padding. Widen, multiply, sum a row.
+    # >>> week22: quant-gemv
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     in_cols = cols < N
@@ -80,6 +81,7 @@ def _quant_gemv_kernel(X, Q, S, O, Y, N, K, stride_x, stride_q, stride_s, stride
         w = (code * s + o).to(x.dtype).to(tl.float32)  # rounded as the reference rounds the weight
         acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
     tl.store(Y + row * stride_y + cols, acc.to(Y.dtype.element_ty), mask=in_cols)
+    # <<< week22: quant-gemv
 
 
 GEMV_ROWS = 4  # up to this many rows, one matrix-vector product per row (a decode step of a small batch)

@@ -74,6 +74,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     Every group's range [min, max] is cut into 2^bits − 1 equal steps; a weight goes to the nearest
     step. The scale and the offset are rounded to float16 *before* the codes are chosen, so that the
     codes are the nearest under the scale that will really be used."""
+    # >>> week22: quantize-rtn
     n, k = weight.shape
     levels = (1 << bits) - 1
     groups = weight.float().reshape(n, k // group_size, group_size)
@@ -82,6 +83,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     offsets = low.half()
     q = torch.round((groups - offsets.float()[..., None]) / scales.float()[..., None]).clamp(0, levels)
     return pack_codes(q.reshape(n, k), bits), scales, offsets
+    # <<< week22: quantize-rtn
 
 
 class QuantizedLinear(nn.Module):
@@ -130,8 +132,10 @@ FP8_MAX = 448.0  # the largest finite float8 e4m3 number
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x -> (float8 e4m3 rows, float32 scales [rows, 1]) with x ≈ rows · scale: each row's
     largest magnitude lands on e4m3's largest number, 448."""
+    # >>> week22: fp8-rows
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    # <<< week22: fp8-rows
 
 
 class Fp8Linear(nn.Module):

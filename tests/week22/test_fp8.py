@@ -1,4 +1,4 @@
-"""Issue 33: FP8 weights (`--quantization fp8`): e4m3 weights with per-row scales, activations cut
+"""Week 22 (issue 33): FP8 weights (`--quantization fp8`): e4m3 weights with per-row scales, activations cut
 to e4m3 per token, `torch._scaled_mm`. The engine refuses it off FP8 tensor cores; the layer's
 arithmetic is checked here on the CPU, where PyTorch's `_scaled_mm` runs too."""
 
@@ -13,6 +13,7 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.quantized import FP8_MAX, Fp8Linear, fp8_rows, quantize_model
 
 
+@pytest.mark.exercise("fp8-rows")
 def test_each_row_lands_on_e4m3s_range_within_its_precision():
     torch.manual_seed(0)
     x = torch.randn(8, 64) * torch.logspace(-3, 2, 8)[:, None]
@@ -26,6 +27,7 @@ def test_each_row_lands_on_e4m3s_range_within_its_precision():
     assert ((back - x).abs() <= bound * 1.0001).all()
 
 
+@pytest.mark.exercise("fp8-rows")
 def test_the_layer_is_the_product_of_its_two_quantized_operands():
     """y = (x8 · sx) (W8 · sw)ᵀ, both scales applied once, returned in bfloat16."""
     torch.manual_seed(1)
