@@ -83,7 +83,8 @@ class EngineConfig:
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
     quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group), "fp8"
     # (e4m3 weights and activations, GPU only), "gguf" (a GGUF file's own blocks); None: off
-    quantization_group_size: int = 128  # inputs that share one scale and offset
+    quantization_group_size: int | None = None  # inputs that share one scale and offset; default: 128, or the
+    # largest of 64 and 32 that divides every projection's inputs
     kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
     kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
     kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
@@ -221,5 +222,6 @@ def add_quantization_arguments(p) -> None:
                    help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
                         "load (activations stay in --dtype), as float8 e4m3 with per-row scales on FP8 tensor cores "
                         "(fp8, GPU only), or as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (gguf) (default: off)")
-    p.add_argument("--quantization-group-size", type=int, default=128,
-                   help="with --quantization: inputs that share one scale and offset (default: %(default)s)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="with --quantization int8|int4: inputs that share one scale and offset (default: 128, or "
+                        "the largest of 64 and 32 that divides every projection's inputs)")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 SCHEMES = {"int8": 8, "int4": 4}  # --quantization: the bits a weight, rounded to nearest at load
-DEFAULT_GROUP_SIZE = 128
+GROUP_SIZES = (128, 64, 32)  # the default: the first that divides every projection's inputs
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -173,7 +173,17 @@ class Fp8Linear(nn.Module):
         return self.weight_fp8.numel() + self.scales.numel() * 4
 
 
-def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
+def default_group_size(in_features: list[int]) -> int:
+    """The largest of `GROUP_SIZES` that divides every one of these input sizes (SmolLM2's 576
+    inputs take 64; Llama's 2,048 and 8,192 take 128)."""
+    for group in GROUP_SIZES:
+        if all(k % group == 0 for k in in_features):
+            return group
+    raise ValueError(f"no group size of {GROUP_SIZES} divides every projection's inputs ({sorted(set(in_features))}): "
+                     "give one with --quantization-group-size")
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None) -> list[str]:
     """Swap every decoder layer's projection (q/k/v, o, gate/up, down) for a `QuantizedLinear` of
     `scheme` (int8, int4) or an `Fp8Linear` (fp8), in place; returns the names swapped. The embedding and the LM head stay in the model's
     dtype (they are looked up or produce the logits the sampler reads; quantizing them is a choice
@@ -187,6 +197,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROU
     if scheme == "fp8":
         swapped = {name: Fp8Linear.from_linear(m, name) for name, m in targets}  # every size checked first
     else:
+        group_size = group_size or default_group_size([m.in_features for _, m in targets])
         for name, m in targets:
             check_group_size(m.in_features, group_size, SCHEMES[scheme], name)
         swapped = {name: QuantizedLinear.from_linear(m, SCHEMES[scheme], group_size, name) for name, m in targets}

@@ -172,6 +172,19 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_swap():
         quantize_model(model, "int4", 3)
 
 
+def test_the_default_group_size_is_the_largest_that_divides_every_layer():
+    from nanoserve.model.quantized import default_group_size
+
+    assert default_group_size([2048, 8192]) == 128  # Llama-3.2-1B
+    assert default_group_size([576, 1536]) == 64  # SmolLM2-135M
+    assert default_group_size([96, 160]) == 32
+    with pytest.raises(ValueError, match="give one with --quantization-group-size"):
+        default_group_size([100])
+    model = load_model("tiny")
+    quantize_model(model, "int4")  # no group size given: the tiny model's 64 and 512 inputs take 64
+    assert {m.group_size for m in model.modules() if isinstance(m, QuantizedLinear)} == {64}
+
+
 def test_the_command_line_options():
     import argparse
 
