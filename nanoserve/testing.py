@@ -187,8 +187,7 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
     config and the bundled tiny tokenizer in the metadata. Quantized with `gguf.quants` (the
     ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested.
     `sampling`: llama.cpp's recommended-sampling keys, by their last part ({"temp": 0.7, "top_k": 40}).
-    `mixed`: another type for some tensors, by the part of their GGUF name before ".weight"
-    ({"attn_q": "Q8_0"}), as llama.cpp's mixes ("Q4_K_M") do."""
+    `mixed`: another type for some tensors, by their GGUF name's part before ".weight" ({"attn_q": "Q8_0"})."""
 
     import gguf
     import numpy as np
