@@ -113,6 +113,7 @@ class DecodeSide:
         request that waits for blocks), then take in those that landed: each joins the scheduler's
         running set, or, when its transfer failed, gives its blocks back and finishes with "error".
         Returns the sequences whose transfer finished, with how."""
+        # >>> week21: land-transfers
         for arrival in self.arrivals.values():
             if not arrival.receiving:
                 if not scheduler.reserve(arrival.seq):
@@ -132,6 +133,7 @@ class DecodeSide:
                 scheduler.finish(arrival.seq, "error")  # its blocks go back
             finished.append((arrival.seq, landed))
         return finished
+        # <<< week21: land-transfers
 
     def abort(self, seq_id: int) -> None:
         """Forget a request aborted before its KV landed (the caller finishes it, which frees its
