@@ -79,6 +79,7 @@ class PrefillSide:
         """`seq` has finished. If the scheduler kept its blocks (it ended at its one token, not at a
         stop token), copy them out through the connector and free them; returns what the decode
         instance needs to take over, or None when the request is complete already."""
+        # >>> week21: send-blocks
         if seq.seq_id not in scheduler.kept:
             return None
         transfer = KVTransfer(uuid.uuid4().hex, seq.prompt_ids, seq.output_ids[0])
@@ -87,6 +88,7 @@ class PrefillSide:
         finally:
             scheduler.release_kept(seq.seq_id)
         return transfer
+        # <<< week21: send-blocks
 
 
 @dataclass

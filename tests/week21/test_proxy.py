@@ -53,7 +53,7 @@ def assert_idle(*servers: ServerThread) -> None:
         assert server.engine.scheduler.allocator.num_used == 0 and not server.engine.scheduler.kept
 
 
-@pytest.mark.exercise("proxy-route", "land-transfers", "admit-computed")
+@pytest.mark.exercise("proxy-route", "send-blocks", "land-transfers", "admit-computed")
 def test_answers_through_the_proxy_equal_one_servers(pair, colocated):
     prefill, decode, proxy = pair
     for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
