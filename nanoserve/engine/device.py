@@ -17,7 +17,8 @@ from nanoserve.engine.pipeline import build_stage_model
 from nanoserve.engine.step_channel import one_host
 from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
-from nanoserve.model.loader import load_model
+from nanoserve.model.gguf_quantized import use_gguf_blocks
+from nanoserve.model.loader import gguf_source, load_model
 from nanoserve.model.quantized import quantize_model
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
 from nanoserve.runner.pipeline import PipelineRunner
@@ -48,14 +49,18 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     pipeline = c.pipeline_parallel_size > 1  # week 20: this rank holds one stage of the model
     if pipeline:
         model = build_stage_model(c, group, dtype, device)
-    elif group is None:
-        model = load_model(c.model, dtype=dtype, device=device)
+    elif group is None:  # (a GGUF file's blocks replace the widened projections on the host: never on the device)
+        model = load_model(c.model, dtype=dtype, device="cpu" if c.quantization == "gguf" else device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
         if c.all_reduce == "auto" and device.startswith("cuda"):  # week 20
             group.one_shot = one_shot_all_reduce(group, dtype, device)
     if c.quantization is not None:  # issue 33: the projections as grouped codes, before the pool is sized
-        quantize_model(model, c.quantization, c.quantization_group_size)
+        if c.quantization == "gguf":
+            use_gguf_blocks(model, gguf_source(c.model))
+            model = model.to(device)
+        else:
+            quantize_model(model, c.quantization, c.quantization_group_size)
         if device.startswith("cuda"):
             use_quantized_kernels(model)
     cfg = model.config

@@ -144,7 +144,7 @@ def read_metadata(reader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def _tensor_shape(t) -> tuple[int, ...]:
+def tensor_shape(t) -> tuple[int, ...]:
     """GGUF lists dimensions fastest-varying first (ne0 = columns); PyTorch wants them last."""
     return tuple(int(n) for n in reversed(t.shape.tolist()))
 
@@ -155,7 +155,7 @@ def read_tensor(t) -> torch.Tensor:
 
     check_supported(t.tensor_type.name, f"tensor {t.name!r}")
     raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(-1))  # a copy: the file is mapped read-only
-    return dequantize(raw, t.tensor_type.name, _tensor_shape(t))
+    return dequantize(raw, t.tensor_type.name, tensor_shape(t))
 
 
 # ---------------------------------------------------------------------------- names and layouts
@@ -292,7 +292,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     for t in reader.tensors:  # refuse an unsupported type before any work
         check_supported(t.tensor_type.name, f"tensor {t.name!r}")
     rope_freqs = read_tensor(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
-    config = config_from_gguf(meta, {n: _tensor_shape(t) for n, t in by_name.items()}, rope_freqs)
+    config = config_from_gguf(meta, {n: tensor_shape(t) for n, t in by_name.items()}, rope_freqs)
 
     arch = meta["general.architecture"]
     weights = {}

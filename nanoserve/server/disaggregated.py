@@ -28,11 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.server.app import BODY_TIMEOUT, LOOPBACK_HOSTS, Guard, add_error_handlers, guard_options
 from nanoserve.server.data_parallel import (
-    REPLICA_STOP_TIMEOUT,
     cuda_available,
     end_with_parent,
     exit_on_signal,
     replica_argv,
+    stop_processes,
     visible_devices,
     visible_gpus,
     wait_healthy,
@@ -208,14 +208,7 @@ def serve_disaggregated(args, argv: list[str]) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
                     timeout_keep_alive=args.keep_alive_timeout)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=REPLICA_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         signal.signal(signal.SIGTERM, previous)
     return 0
 
