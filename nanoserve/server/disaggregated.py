@@ -100,6 +100,7 @@ async def route(client: httpx.AsyncClient, prefill_url: str, decode_url: str, re
                 counts: dict):
     """One request: its prompt on the prefill instance, then the rest from the decode instance,
     relayed as it comes (see the module docstring)."""
+    # >>> week21: proxy-route
     raw = await request.body()
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
     try:
@@ -125,6 +126,7 @@ async def route(client: httpx.AsyncClient, prefill_url: str, decode_url: str, re
         return await relay(client, decode_url + path, raw, headers)
     return await relay(client, decode_url + path, json.dumps(body | {"kv_transfer_params": transfer}).encode(),
                        headers)
+    # <<< week21: proxy-route
 
 
 async def relay(client: httpx.AsyncClient, url: str, content: bytes, headers: dict):
