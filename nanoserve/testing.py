@@ -181,12 +181,13 @@ def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
                with_tokenizer: bool = True, extra_tensors: dict | None = None,
-               sampling: dict[str, float] | None = None) -> Path:
+               sampling: dict[str, float] | None = None, mixed: dict[str, str] | None = None) -> Path:
     """Write a HF `LlamaForCausalLM` as a GGUF file, the way llama.cpp's converter does: its
     tensor names, Q/K rows permuted for its RoPE, 2-D weights in `qtype` (norms stay F32), the
     config and the bundled tiny tokenizer in the metadata. Quantized with `gguf.quants` (the
     ecosystem's implementation), so that nanoserve's own dequantizers are what gets tested.
-    `sampling`: llama.cpp's recommended-sampling keys, by their last part ({"temp": 0.7, "top_k": 40})."""
+    `sampling`: llama.cpp's recommended-sampling keys, by their last part ({"temp": 0.7, "top_k": 40}).
+    `mixed`: another type for some tensors, by their GGUF name's part before ".weight" ({"attn_q": "Q8_0"})."""
 
     import gguf
     import numpy as np
@@ -220,7 +221,6 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
     for key, value in (sampling or {}).items():  # general.sampling.temp, ... (what GGUFWriter.add_sampling_* write)
         add = writer.add_int32 if isinstance(value, int) else writer.add_float32
         add(f"general.sampling.{key}", value)
-    kind = gguf.GGMLQuantizationType[qtype]
     tensors = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -229,11 +229,13 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", arch: str = "llama",
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             w = permute_qk(w, heads)
-        data = w.numpy()
-        if data.ndim == 1 or qtype == "F32":
-            writer.add_tensor(_hf_to_gguf_name(name), data.astype(np.float32))
+        data, target = w.numpy(), _hf_to_gguf_name(name)
+        own = (mixed or {}).get(target.rsplit(".", 2)[-2], qtype)
+        if data.ndim == 1 or own == "F32":
+            writer.add_tensor(target, data.astype(np.float32))
         else:
-            writer.add_tensor(_hf_to_gguf_name(name), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            own_kind = gguf.GGMLQuantizationType[own]
+            writer.add_tensor(target, gguf.quants.quantize(data, own_kind), raw_dtype=own_kind)
     for name, (raw, raw_type) in (extra_tensors or {}).items():
         writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[raw_type])
     writer.write_header_to_file()

@@ -96,7 +96,7 @@ def bench_latency(args) -> dict:
     device = str(engine.runner.device)
     dtype = engine.model.embed_tokens.weight.dtype
     bandwidth = copy_bandwidth(device)
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = weight_bytes(engine.model)
     roofline = bandwidth / weights
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     speeds = []
@@ -160,6 +160,15 @@ def bench_latency(args) -> dict:
 
     save_and_plot(args, "latency", result, draw)
     return result
+
+
+def weight_bytes(model) -> int:
+    """The bytes a decode step reads for the weights: the parameters, and the codes, scales and
+    offsets of quantized layers (buffers, not parameters: issue 33)."""
+    from nanoserve.model.quantized import QuantizedLinear
+
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def profile_steps(engine, steps: int = 20) -> None:

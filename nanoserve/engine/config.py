@@ -14,13 +14,27 @@ from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
 from nanoserve.model.quantized import SCHEMES
 
-QUANTIZATION_SCHEMES = [*SCHEMES, "gguf"]  # gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
+# fp8: e4m3 weights and activations on FP8 tensor cores; gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
+QUANTIZATION_SCHEMES = [*SCHEMES, "fp8", "gguf"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_fp8(device: str, dtype: torch.dtype | None) -> None:
+    """Refuse --quantization fp8 where it cannot run, in one line each."""
+    if not device.startswith("cuda"):
+        raise ValueError("--quantization fp8 runs on FP8 tensor cores (a GPU of compute capability 8.9 or more: "
+                         "Ada, Hopper); on the CPU use int8 or int4")
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if (major, minor) < (8, 9):
+        raise ValueError(f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9 or more); this GPU is "
+                         f"{major}.{minor}: use int8 or int4")
+    if dtype not in (None, torch.bfloat16):
+        raise ValueError(f"--quantization fp8 returns bfloat16 from its products: run with --dtype bfloat16, not {dtype}")
 
 
 @dataclass
@@ -67,9 +81,10 @@ class EngineConfig:
     ray_placement: str = "pack"  # week 20: where Ray puts the ranks: "pack", "spread", "strict-pack", "strict-spread"
     async_scheduling: bool | None = None  # week 12: schedule step N+1 while the GPU runs step N; default: on
     # with CUDA graphs on a GPU (once week 12 is done), off on the CPU (nothing to overlap there)
-    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group), "gguf"
-    # (a GGUF file's own blocks); None: off
-    quantization_group_size: int = 128  # inputs that share one scale and offset
+    quantization: str | None = None  # issue 33: "int8" or "int4" weight-only (round to nearest, per group), "fp8"
+    # (e4m3 weights and activations, GPU only), "gguf" (a GGUF file's own blocks); None: off
+    quantization_group_size: int | None = None  # inputs that share one scale and offset; default: 128, or the
+    # largest of 64 and 32 that divides every projection's inputs
     kv_role: str | None = None  # issue 35: "prefill" or "decode", an instance of disaggregated serving; None: both
     kv_connector: str = "gloo"  # issue 35: how KV moves between the two: "gloo" (host memory) or "nccl" (GPU to GPU)
     kv_address: str = "127.0.0.1:29650"  # issue 35: host:port of the KV connector's store (the decode instance's)
@@ -105,6 +120,8 @@ class EngineConfig:
         if self.quantization == "gguf" and gguf_source(self.model) is None:
             raise ValueError(f"--quantization gguf runs a GGUF file's blocks as they are: {self.model} is not a GGUF "
                              "file (use int8 or int4 to quantize other checkpoints)")
+        if self.quantization == "fp8":
+            check_fp8(self.device or default_device(), self.dtype)
         if self.quantization is not None and self.world_size > 1:
             raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
                              "unquantized layers")
@@ -237,10 +254,11 @@ def add_quantization_arguments(p) -> None:
     """Issue 33's options, in the engine's group."""
     p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
                    help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
-                        "load, or (gguf) as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; activations stay in --dtype "
-                        "(default: off)")
-    p.add_argument("--quantization-group-size", type=int, default=128,
-                   help="with --quantization: inputs that share one scale and offset (default: %(default)s)")
+                        "load (activations stay in --dtype), as float8 e4m3 with per-row scales on FP8 tensor cores "
+                        "(fp8, GPU only), or as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (gguf) (default: off)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="with --quantization int8|int4: inputs that share one scale and offset (default: 128, or "
+                        "the largest of 64 and 32 that divides every projection's inputs)")
 
 
 def add_lora_arguments(p) -> None:

@@ -79,6 +79,7 @@ class PrefillSide:
         """`seq` has finished. If the scheduler kept its blocks (it ended at its one token, not at a
         stop token), copy them out through the connector and free them; returns what the decode
         instance needs to take over, or None when the request is complete already."""
+        # >>> week21: send-blocks
         if seq.seq_id not in scheduler.kept:
             return None
         transfer = KVTransfer(uuid.uuid4().hex, seq.prompt_ids, seq.output_ids[0])
@@ -87,6 +88,7 @@ class PrefillSide:
         finally:
             scheduler.release_kept(seq.seq_id)
         return transfer
+        # <<< week21: send-blocks
 
 
 @dataclass
@@ -113,6 +115,7 @@ class DecodeSide:
         request that waits for blocks), then take in those that landed: each joins the scheduler's
         running set, or, when its transfer failed, gives its blocks back and finishes with "error".
         Returns the sequences whose transfer finished, with how."""
+        # >>> week21: land-transfers
         for arrival in self.arrivals.values():
             if not arrival.receiving:
                 if not scheduler.reserve(arrival.seq):
@@ -132,6 +135,7 @@ class DecodeSide:
                 scheduler.finish(arrival.seq, "error")  # its blocks go back
             finished.append((arrival.seq, landed))
         return finished
+        # <<< week21: land-transfers
 
     def abort(self, seq_id: int) -> None:
         """Forget a request aborted before its KV landed (the caller finishes it, which frees its

@@ -39,6 +39,7 @@ BLOCK = 32
 def block_codes(raw: torch.Tensor, type_name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """The bytes of one Q8_0 / Q4_0 / Q4_1 tensor [N, K] -> (codes int32 [N, K], scales and offsets
     float16 [N, K / 32]) with W = codes · scale + offset, group by group."""
+    # >>> week22: block-codes
     fmt = FORMATS[type_name]
     n, k = shape
     blocks = raw.reshape(-1).view(-1, fmt.nbytes)  # [N · K / 32, bytes]
@@ -54,6 +55,7 @@ def block_codes(raw: torch.Tensor, type_name: str, shape: tuple[int, int]) -> tu
         offsets = d * -8 if type_name == "Q4_0" else blocks[:, 2:4].contiguous().view(torch.float16)
     groups = k // BLOCK
     return codes.reshape(n, k), d.reshape(n, groups), offsets.reshape(n, groups)
+    # <<< week22: block-codes
 
 
 def gguf_linear_layers(path: str | os.PathLike, config) -> dict[str, QuantizedLinear]:
@@ -61,6 +63,7 @@ def gguf_linear_layers(path: str | os.PathLike, config) -> dict[str, QuantizedLi
     Q8_0, Q4_0 or Q4_1 of one type (fused parts stacked in the order week 1's loader uses)."""
     import numpy as np
 
+    # >>> week22: gguf-layers
     reader = open_gguf(path)
     arch = read_metadata(reader)["general.architecture"]
     parts: dict[str, dict[int, tuple[str, torch.Tensor, ...]]] = {}
@@ -91,6 +94,7 @@ def gguf_linear_layers(path: str | os.PathLike, config) -> dict[str, QuantizedLi
         codes, scales, offsets = (torch.cat([p[j] for p in ordered]) for j in (1, 2, 3))
         layers[module] = QuantizedLinear(pack_codes(codes, bits), scales, offsets, bits, BLOCK, codes.shape[1])
     return layers
+    # <<< week22: gguf-layers
 
 
 def use_gguf_blocks(model: nn.Module, path: str | os.PathLike) -> list[str]:

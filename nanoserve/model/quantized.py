@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 SCHEMES = {"int8": 8, "int4": 4}  # --quantization: the bits a weight, rounded to nearest at load
-DEFAULT_GROUP_SIZE = 128
+GROUP_SIZES = (128, 64, 32)  # the default: the first that divides every projection's inputs
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -74,6 +74,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     Every group's range [min, max] is cut into 2^bits − 1 equal steps; a weight goes to the nearest
     step. The scale and the offset are rounded to float16 *before* the codes are chosen, so that the
     codes are the nearest under the scale that will really be used."""
+    # >>> week22: quantize-rtn
     n, k = weight.shape
     levels = (1 << bits) - 1
     groups = weight.float().reshape(n, k // group_size, group_size)
@@ -82,6 +83,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     offsets = low.half()
     q = torch.round((groups - offsets.float()[..., None]) / scales.float()[..., None]).clamp(0, levels)
     return pack_codes(q.reshape(n, k), bits), scales, offsets
+    # <<< week22: quantize-rtn
 
 
 class QuantizedLinear(nn.Module):
@@ -124,21 +126,82 @@ class QuantizedLinear(nn.Module):
                 f"group_size={self.group_size}")
 
 
-def quantize_model(model: nn.Module, scheme: str, group_size: int = DEFAULT_GROUP_SIZE) -> list[str]:
+FP8_MAX = 448.0  # the largest finite float8 e4m3 number
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x -> (float8 e4m3 rows, float32 scales [rows, 1]) with x ≈ rows · scale: each row's
+    largest magnitude lands on e4m3's largest number, 448."""
+    # >>> week22: fp8-rows
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    # <<< week22: fp8-rows
+
+
+class Fp8Linear(nn.Module):
+    """y = x · Wᵀ (+ bias) on FP8 tensor cores (Ada, Hopper): W stored in float8 e4m3 with one
+    float32 scale per output row, chosen at load; the activations cut to e4m3 per row at every call
+    (their own scale per token), and `torch._scaled_mm` multiplies the two and applies both scales
+    in its epilogue, returning bfloat16. Half the bytes of bf16 weights; unlike the integer layers,
+    the activations are quantized too (the tensor cores take two FP8 operands)."""
+
+    def __init__(self, weight_fp8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        self.register_buffer("weight_fp8", weight_fp8)
+        self.register_buffer("scales", scales)  # float32 [out, 1]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, name: str = "a layer") -> Fp8Linear:
+        for size in (linear.in_features, linear.out_features):
+            if size % 16:
+                raise ValueError(f"{name}: FP8 products need sizes divisible by 16, not {linear.in_features} x "
+                                 f"{linear.out_features}")
+        weight, scales = fp8_rows(linear.weight.data)
+        return cls(weight, scales, None if linear.bias is None else linear.bias.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows, x_scales = fp8_rows(x.reshape(-1, shape[-1]))
+        y = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=x_scales, scale_b=self.scales.t(),
+                             out_dtype=torch.bfloat16)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def weight_bytes(self) -> int:
+        return self.weight_fp8.numel() + self.scales.numel() * 4
+
+
+def default_group_size(in_features: list[int]) -> int:
+    """The largest of `GROUP_SIZES` that divides every one of these input sizes (SmolLM2's 576
+    inputs take 64; Llama's 2,048 and 8,192 take 128)."""
+    for group in GROUP_SIZES:
+        if all(k % group == 0 for k in in_features):
+            return group
+    raise ValueError(f"no group size of {GROUP_SIZES} divides every projection's inputs ({sorted(set(in_features))}): "
+                     "give one with --quantization-group-size")
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None) -> list[str]:
     """Swap every decoder layer's projection (q/k/v, o, gate/up, down) for a `QuantizedLinear` of
-    `scheme`, in place; returns the names swapped. The embedding and the LM head stay in the model's
+    `scheme` (int8, int4) or an `Fp8Linear` (fp8), in place; returns the names swapped. The embedding and the LM head stay in the model's
     dtype (they are looked up or produce the logits the sampler reads; quantizing them is a choice
     this lesson leaves out). Every group size is checked before anything is swapped."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown --quantization {scheme!r}: choose one of {', '.join(SCHEMES)}")
-    bits = SCHEMES[scheme]
+    if scheme not in SCHEMES and scheme != "fp8":
+        raise ValueError(f"unknown --quantization {scheme!r}: choose one of {', '.join(SCHEMES)}, fp8")
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and ".layers." in f".{name}" and name.rsplit(".", 1)[-1].endswith("proj")]
     if not targets:
         raise ValueError("this model has no decoder projections to quantize")
-    for name, m in targets:
-        check_group_size(m.in_features, group_size, bits, name)
-    for name, m in targets:
+    if scheme == "fp8":
+        swapped = {name: Fp8Linear.from_linear(m, name) for name, m in targets}  # every size checked first
+    else:
+        group_size = group_size or default_group_size([m.in_features for _, m in targets])
+        for name, m in targets:
+            check_group_size(m.in_features, group_size, SCHEMES[scheme], name)
+        swapped = {name: QuantizedLinear.from_linear(m, SCHEMES[scheme], group_size, name) for name, m in targets}
+    for name, layer in swapped.items():
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, QuantizedLinear.from_linear(m, bits, group_size, name))
-    return [name for name, _ in targets]
+        setattr(model.get_submodule(parent_name), attr, layer)
+    return list(swapped)

@@ -85,6 +85,7 @@ class CPUTier:
         """The GPU pool evicts `block`, named `name`: keep its content in a slot (an offload), the
         least recently used name of the tier dropped if none is free (or `name` itself, in the
         rare step whose reloads read every slot)."""
+        # >>> week21: offload-evict
         if block in self.reloading:  # its content never reached the GPU: it is still in its slot
             slot = self.reloading.pop(block)
             self.reloads.remove((slot, block))
@@ -101,6 +102,7 @@ class CPUTier:
         slot = self.free_slots.popleft()
         self.slot_of_hash[name] = slot
         self.offloads.append((block, slot))
+        # <<< week21: offload-evict
 
     def take(self, name: bytes) -> int:
         """A hit: `name` leaves the tier; returns its slot, which stays reserved for the reload
@@ -167,6 +169,7 @@ class TieredPrefixAllocator(PrefixCachingAllocator):
         CPU hit when the pool has no block left to bring it back into. (Week 14's loop holds its
         hits after the walk; here each is held at once, so that the allocation of a later CPU hit
         cannot evict an earlier block of the same chain.)"""
+        # >>> week21: tiered-match
         num_blocks = len(names) if num_blocks is None else num_blocks
         blocks, from_cpu = [], 0
         for i in range(num_blocks):
@@ -188,6 +191,7 @@ class TieredPrefixAllocator(PrefixCachingAllocator):
             blocks.append(block)
         self.match_cpu_tokens = from_cpu * block_size
         return blocks
+        # <<< week21: tiered-match
 
     def reload(self, name: bytes) -> int:
         """Bring `name` back from the CPU tier: a block allocated for it, named, a reload scheduled."""

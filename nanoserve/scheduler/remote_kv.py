@@ -52,9 +52,11 @@ class RemoteKVScheduler(Scheduler):
         """The K/V of `seq`'s prompt have landed in its reserved blocks: it runs from now on, as after
         its own prefill step (the prompt computed, its first token appended and checked by `update`,
         its full blocks named for the prefix cache)."""
+        # >>> week21: admit-computed
         seq.status, seq.first_scheduled_time = SequenceStatus.RUNNING, time.perf_counter()
         seq.num_computed = seq.num_tokens
         if self.prefix_caching:
             self._cache_full_blocks(seq, 0)
         self.running.append(seq)
         self.update(Batch([seq], [0]), [[first_token]])
+        # <<< week21: admit-computed

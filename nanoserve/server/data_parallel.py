@@ -306,19 +306,25 @@ def serve_data_parallel(args, argv: list[str]) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
                     timeout_keep_alive=args.keep_alive_timeout)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=REPLICA_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         signal.signal(signal.SIGTERM, previous)
     return 0
 
 
 REPLICA_STOP_TIMEOUT = 8.0  # seconds a replica gets to finish after SIGTERM before it is killed
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """End the replicas (or a disaggregated pair): SIGTERM to all, then each gets
+    `REPLICA_STOP_TIMEOUT` seconds to finish before it is killed."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=REPLICA_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def exit_on_signal(signum, frame) -> None:

@@ -28,11 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.server.app import BODY_TIMEOUT, LOOPBACK_HOSTS, Guard, add_error_handlers, guard_options
 from nanoserve.server.data_parallel import (
-    REPLICA_STOP_TIMEOUT,
     cuda_available,
     end_with_parent,
     exit_on_signal,
     replica_argv,
+    stop_processes,
     visible_devices,
     visible_gpus,
     wait_healthy,
@@ -100,6 +100,7 @@ async def route(client: httpx.AsyncClient, prefill_url: str, decode_url: str, re
                 counts: dict):
     """One request: its prompt on the prefill instance, then the rest from the decode instance,
     relayed as it comes (see the module docstring)."""
+    # >>> week21: proxy-route
     raw = await request.body()
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
     try:
@@ -125,6 +126,7 @@ async def route(client: httpx.AsyncClient, prefill_url: str, decode_url: str, re
         return await relay(client, decode_url + path, raw, headers)
     return await relay(client, decode_url + path, json.dumps(body | {"kv_transfer_params": transfer}).encode(),
                        headers)
+    # <<< week21: proxy-route
 
 
 async def relay(client: httpx.AsyncClient, url: str, content: bytes, headers: dict):
@@ -206,14 +208,7 @@ def serve_disaggregated(args, argv: list[str]) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
                     timeout_keep_alive=args.keep_alive_timeout)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=REPLICA_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         signal.signal(signal.SIGTERM, previous)
     return 0
 

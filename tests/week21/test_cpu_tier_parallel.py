@@ -1,8 +1,7 @@
 """Issue 35 over several ranks: each rank's CPU tier holds its own heads (tensor parallelism, week
 18) or its own layers (pipeline parallelism, week 20) of the blocks, and the copies travel in the
 step every rank runs (`StepInput.offloads`, `StepInput.reloads`), so two CPU processes over gloo
-give the tokens of one. (Here, in the later of the two weeks; the tier itself is tested in
-tests/week14/test_cpu_tier.py.)"""
+give the tokens of one. (The tier itself is tested in test_cpu_tier.py.)"""
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ def conversations(llm):
     return answers
 
 
+@pytest.mark.exercise("offload-evict", "tiered-match")
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
 def test_two_ranks_with_the_cpu_tier_equal_one(split):
     kw = dict(device="cpu", dtype=torch.float32, block_size=4, num_blocks=12, enable_prefix_caching=True,
