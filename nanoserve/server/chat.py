@@ -64,9 +64,13 @@ class ChatSession:
         return answer, reason
 
 
-def run_chat(session: ChatSession, message: str | None = None, stdin: TextIO = sys.stdin,
-             stdout: TextIO = sys.stdout) -> int:
-    """With `message`: answer it once and return. Otherwise a read-answer loop until /exit or EOF."""
+def run_chat(session: ChatSession, message: str | None = None, stdin: TextIO | None = None,
+             stdout: TextIO | None = None) -> int:
+    """With `message`: answer it once and return. Otherwise a read-answer loop until /exit or EOF.
+    `stdin`, `stdout`: the process's own, read when called (not when this module was imported: a
+    test's capture may have replaced and closed them since)."""
+    stdin = sys.stdin if stdin is None else stdin
+    stdout = sys.stdout if stdout is None else stdout
 
     def write(text: str) -> None:
         stdout.write(text)
