@@ -111,6 +111,24 @@ def estimate_tokens(body: dict, count) -> int:
     return sum(p + max_tokens for p in prompts) * n
 
 
+def forwarding_app(title: str, timeout: float, **guard) -> tuple[FastAPI, httpx.AsyncClient]:
+    """An app that forwards to other servers (the data-parallel front, the disaggregated proxy):
+    the single server's checks (`Guard`, with `create_app`'s keyword arguments), its error shapes
+    (404, 405, and the Guard's 408 raised while a body is read), and one HTTP client, closed with
+    the app."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    app.add_middleware(Guard, **guard)
+    add_error_handlers(app)
+    return app, client
+
+
 def create_front(replica_urls: list[str], count=None, timeout: float = 600.0, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT,
                  allowed_hosts=LOOPBACK_HOSTS, allowed_origins=(), public_docs: bool = False) -> FastAPI:
@@ -119,17 +137,10 @@ def create_front(replica_urls: list[str], count=None, timeout: float = 600.0, ap
     them all up. The address clients see is the front's, so it applies the single server's
     checks itself (the same `Guard`: Host, CORS, key, Content-Type, body size; the keyword
     arguments are `create_app`'s), and its own errors come in the same OpenAI shape."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="nanoserve data-parallel front", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
-    add_error_handlers(app)  # 404, 405, and the Guard's 408 raised while a body is read
+    app, client = forwarding_app("nanoserve data-parallel front", timeout, api_key=api_key,
+                                 max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                                 allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
+                                 public_docs=public_docs)
     router = Router([Replica(u) for u in replica_urls])
     app.state.router = router
     count = count or (lambda text: max(1, len(text) // 4))

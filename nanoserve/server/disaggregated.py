@@ -15,7 +15,6 @@ instance's 502 or 504, relayed; both instances free the request's blocks; the pr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -26,11 +25,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.server.app import BODY_TIMEOUT, LOOPBACK_HOSTS, Guard, add_error_handlers, guard_options
+from nanoserve.server.app import BODY_TIMEOUT, LOOPBACK_HOSTS, guard_options
 from nanoserve.server.data_parallel import (
     cuda_available,
     end_with_parent,
     exit_on_signal,
+    forwarding_app,
     replica_argv,
     stop_processes,
     visible_devices,
@@ -49,17 +49,10 @@ def create_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0, api_
     """The proxy's app: the two generation routes split over the pair, /v1/models from the decode
     instance, /health from both. Clients see the proxy's address, so it applies the server's
     checks itself (`Guard`; the keyword arguments are `create_app`'s)."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="nanoserve disaggregated prefill/decode proxy", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
-    add_error_handlers(app)
+    app, client = forwarding_app("nanoserve disaggregated prefill/decode proxy", timeout, api_key=api_key,
+                                 max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                                 allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
+                                 public_docs=public_docs)
     app.state.counts = counts = {"split": 0, "whole": 0, "prefill_unreachable": 0}
 
     @app.post("/v1/completions")
