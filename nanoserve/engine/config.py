@@ -120,6 +120,9 @@ class EngineConfig:
         if self.quantization == "gguf" and gguf_source(self.model) is None:
             raise ValueError(f"--quantization gguf runs a GGUF file's blocks as they are: {self.model} is not a GGUF "
                              "file (use int8 or int4 to quantize other checkpoints)")
+        if self.quantization_group_size is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"--quantization-group-size sets the groups of int8 and int4, not of "
+                             f"{self.quantization or 'unquantized weights'} (fp8 scales rows; gguf keeps the file's 32)")
         if self.quantization == "fp8":
             check_fp8(self.device or default_device(), self.dtype)
         if self.quantization is not None and self.world_size > 1:

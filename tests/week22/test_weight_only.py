@@ -157,10 +157,12 @@ def test_int8_keeps_the_models_greedy_tokens_on_the_tiny_model():
 @pytest.mark.parametrize("options,message", [
     (dict(quantization="int3"), "unknown quantization 'int3'"),
     (dict(quantization="int4", tensor_parallel_size=2), "runs on one GPU for now"),
+    (dict(quantization="gguf", model="smollm2", quantization_group_size=64), "not of gguf"),
+    (dict(quantization_group_size=64), "not of unquantized weights"),
 ])
 def test_bad_quantization_options_are_refused_with_the_reason(options, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="tiny", device="cpu", **options)
+        EngineConfig(**({"model": "tiny", "device": "cpu"} | options))
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_any_swap():
