@@ -4,8 +4,8 @@
     python scripts/bench_lora.py --model /tmp/llama-3.2-1b-random --runs 3 [--profile]
 
 It writes `--adapters` random rank-`--rank` adapters on every linear layer (PEFT's format, no peft
-needed) next to the model, then measures, each configuration in the same process, `--runs` times
-(the median printed with the range):
+needed) next to the model, then measures each engine (the base alone, and the base with LoRA layers) in its own process, the two
+alternated `--runs` times (the median printed with the range):
 
 - offline: `--num-requests` requests (random prompts of 128-512 tokens, 128 output tokens, EOS
   ignored) all at once, spread over the adapters in turn, against the same requests on the base
@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +70,36 @@ def median(values: list[float]) -> str:
     return f"{statistics.median(values):,.1f} (range {min(values):,.1f}-{max(values):,.1f})"
 
 
+def measure(args, modules: dict[str, str]) -> dict[str, float]:
+    """One process, one engine (`--engine base` or `lora`): its rows timed once, after a warm-up."""
+    config = ModelConfig.from_json(Path(args.model))
+    names = list(modules)
+    prompts, _ = throughput_workload(args.num_requests, config.vocab_size, (128, 512), (1, 2))
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    spread = [names[i % len(names)] for i in range(len(prompts))]
+    if args.engine == "base":
+        llm = LLM(args.model, device=args.device)
+        rows = {"offline, base (no LoRA layers)": (prompts, params, None),
+                "batch 1, base (no LoRA layers)": (prompts[:1], one, None)}
+    else:
+        llm = LLM(args.model, device=args.device, lora_modules=modules, max_loras=len(names),
+                  max_lora_rank=args.rank)
+        rows = {"offline, LoRA layers, no adapter": (prompts, params, None),
+                f"offline, {len(names)} adapters": (prompts, params, spread),
+                "batch 1, one adapter": (prompts[:1], one, names[0])}
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # kernels compiled
+    if args.engine == "lora":  # every adapter resident before the clock starts
+        llm.generate(prompts[: len(names)], SamplingParams(max_tokens=2), lora=names, use_tqdm=False)
+    result = {}
+    for name, (p, sp, loras) in rows.items():
+        seconds, tokens = timed(llm, p, sp, loras)
+        result[name] = tokens / seconds
+    if args.profile and args.engine == "lora":
+        profile(llm, prompts, params, spread)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -77,32 +109,37 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="in the last LoRA process")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one process may take")
+    ap.add_argument("--engine", choices=["base", "lora"], help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args()
     config = ModelConfig.from_json(Path(args.model))
     root = Path(args.model) / "bench_adapters"
     names = [f"a{i}" for i in range(args.adapters)]
-    modules = {n: str(write_adapter(root / n, config, args.rank, seed=i)) for i, n in enumerate(names)}
-    prompts, _ = throughput_workload(args.num_requests, config.vocab_size, (128, 512), (1, 2))
-    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    one = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    spread = [names[i % len(names)] for i in range(len(prompts))]
-    engines = {"base": LLM(args.model, device=args.device),
-               "lora": LLM(args.model, device=args.device, lora_modules=modules, max_loras=len(names),
-                           max_lora_rank=args.rank)}
-    rows = {"offline, base (no LoRA layers)": ("base", prompts, params, None),
-            "offline, LoRA layers, no adapter": ("lora", prompts, params, None),
-            f"offline, {len(names)} adapters": ("lora", prompts, params, spread),
-            "batch 1, base (no LoRA layers)": ("base", prompts[:1], one, None),
-            "batch 1, one adapter": ("lora", prompts[:1], one, names[0])}
-    for llm in engines.values():  # warm-up: kernels compiled, adapters resident
-        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    engines["lora"].generate(prompts[: len(names)], SamplingParams(max_tokens=2), lora=names, use_tqdm=False)
-    results = {name: [] for name in rows}
-    for _ in range(args.runs):  # the configurations alternated, run after run
-        for name, (engine, p, sp, loras) in rows.items():
-            seconds, tokens = timed(engines[engine], p, sp, loras)
-            results[name].append(tokens / seconds)
+    if args.engine:
+        modules = {n: str(root / n) for n in names}
+        print("RESULT " + json.dumps(measure(args, modules)), flush=True)
+        return
+    for i, n in enumerate(names):
+        write_adapter(root / n, config, args.rank, seed=i)
+    results: dict[str, list[float]] = {}
+    for run in range(args.runs):  # each engine in its own process, the two alternated run after run
+        for engine in ("base", "lora"):
+            cmd = [sys.executable, __file__, "--model", args.model, "--adapters", str(args.adapters),
+                   "--rank", str(args.rank), "--num-requests", str(args.num_requests),
+                   "--output-tokens", str(args.output_tokens), "--engine", engine]
+            cmd += ["--device", args.device] if args.device else []
+            cmd += ["--profile"] if args.profile and run == args.runs - 1 else []
+            try:
+                done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                sys.exit(f"run {run + 1}, engine {engine}: no result after {args.timeout:.0f} s (hung)")
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                sys.exit(f"run {run + 1}, engine {engine} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            print("\n".join(line for line in done.stdout.splitlines() if line.startswith("LoRA kernels")))
+            for name, value in json.loads(lines[-1][len("RESULT "):]).items():
+                results.setdefault(name, []).append(value)
     for name, values in results.items():
         print(f"{name:40s} {median(values)} output tok/s")
     base, adapters = statistics.median(results["offline, base (no LoRA layers)"]), \
@@ -111,8 +148,6 @@ def main() -> None:
         statistics.median(results["batch 1, one adapter"])
     print(f"offline with {len(names)} adapters / base: {adapters / base:.3f} (target ≥ 0.8); "
           f"batch 1 with an adapter / base: {b1_adapter / b1:.3f} (target ≥ 0.85)")
-    if args.profile:
-        profile(engines["lora"], prompts, params, spread)
 
 
 def profile(llm: LLM, prompts, params, loras) -> None:

@@ -164,11 +164,11 @@ def bench_latency(args) -> dict:
 
 def weight_bytes(model) -> int:
     """The bytes a decode step reads for the weights: the parameters, and the codes, scales and
-    offsets of quantized layers (buffers, not parameters: issue 33)."""
-    from nanoserve.model.quantized import QuantizedLinear
+    offsets of quantized layers, or FP8's weights and scales (buffers, not parameters: issue 33)."""
+    from nanoserve.model.quantized import Fp8Linear, QuantizedLinear
 
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dense + sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+    return dense + sum(m.weight_bytes() for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear)))
 
 
 def profile_steps(engine, steps: int = 20) -> None:

@@ -167,9 +167,9 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.nn.Module) -> torch.Tensor:
     rows first) -> [T, I]. One row (a batch-1 decode step) is a matrix-vector product: one
     kernel computes it and applies SiLU·mul, so the [2I] product never goes to memory and one
     launch is saved. More rows: the projection's own matrix product, then `silu_mul`."""
+    if x.shape[0] != 1 or not _plain_product(gate_up) or not (gate_up.weight.is_contiguous() and x.is_contiguous()):
+        return silu_mul(gate_up(x))  # a quantized or LoRA projection keeps its own product
     w = gate_up.weight
-    if x.shape[0] != 1 or not _plain_product(gate_up) or not (w.is_contiguous() and x.is_contiguous()):
-        return silu_mul(gate_up(x))
     inter, k_dim = w.shape[0] // 2, w.shape[1]
     y = x.new_empty(1, inter)
     block_n, block_k, warps = GATE_UP_BLOCKS

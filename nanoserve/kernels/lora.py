@@ -16,6 +16,9 @@ the slots, so a captured graph replays it for any mix of adapters. A program pas
 segment's end stops at once; rows of no adapter are in no segment, so the padding rows of a
 graph and requests on the base model cost nothing. The rank R is small (a few tens), so t is a
 thin matrix: shrink reads x once and A once per block of rows, expand reads B once per block.
+Shrink's long input axis (2,048 to 8,192 features) is split over programs, `SPLIT_K` features
+each, which write float32 partial sums; expand adds them up as it reads t. One row walking
+8,192 features alone would be a chain of dependent loads: the step's latency, not its bytes.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ import triton.language as tl
 from nanoserve.model.lora import LoRARows, LoRAState
 
 BLOCK_T = 16  # rows per program: the smallest tile tl.dot takes
-BLOCK_K = 64  # input features per step of shrink's loop
+BLOCK_K = 128  # input features per step of shrink's loop
+SPLIT_K = 256  # input features per shrink program: the K axis is split over programs
 BLOCK_N = 64  # output features per program of expand
 
 
 @triton.jit
-def _shrink_kernel(X, A, T, Order, Starts, stride_x, stride_as, stride_ar, stride_t, k_dim, rank,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _shrink_kernel(X, A, P, Order, Starts, stride_x, stride_as, stride_ar, stride_ps, stride_pt, k_dim, rank,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+    # One program: one slot, BLOCK_T rows of its segment, SPLIT_K input features. A decode step has a
+    # row or a few per slot, so a program walking all of K alone would be a long chain of dependent
+    # loads; split, the K axis is read by many programs at once, and each writes its partial sum.
     slot = tl.program_id(0)
     start = tl.load(Starts + slot)
     end = tl.load(Starts + slot + 1)
@@ -43,7 +51,8 @@ def _shrink_kernel(X, A, T, Order, Starts, stride_x, stride_as, stride_ar, strid
         rows = tl.load(Order + first + tl.arange(0, BLOCK_T), mask=in_segment, other=0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, k_dim, BLOCK_K):
+        part = tl.program_id(2)
+        for k0 in range(part * SPLIT_K, tl.minimum(k_dim, (part + 1) * SPLIT_K), BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=in_segment[:, None] & (k[None, :] < k_dim),
                         other=0.0)  # [BLOCK_T, BLOCK_K]
@@ -53,13 +62,13 @@ def _shrink_kernel(X, A, T, Order, Starts, stride_x, stride_as, stride_ar, strid
                 acc += tl.dot(x, a, input_precision="ieee")
             else:
                 acc += tl.dot(x, a)
-        tl.store(T + rows[:, None] * stride_t + r[None, :], acc.to(T.dtype.element_ty),
+        tl.store(P + part * stride_ps + rows[:, None] * stride_pt + r[None, :], acc,
                  mask=in_segment[:, None] & (r[None, :] < rank))
 
 
 @triton.jit
-def _expand_kernel(T, B, Y, Order, Starts, stride_t, stride_bs, stride_bn, stride_y, n_dim, rank,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _expand_kernel(P, B, Y, Order, Starts, stride_ps, stride_pt, stride_bs, stride_bn, stride_y, n_dim, rank,
+                   parts, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     slot = tl.program_id(0)
     start = tl.load(Starts + slot)
     end = tl.load(Starts + slot + 1)
@@ -69,14 +78,16 @@ def _expand_kernel(T, B, Y, Order, Starts, stride_t, stride_bs, stride_bn, strid
         rows = tl.load(Order + first + tl.arange(0, BLOCK_T), mask=in_segment, other=0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-        t = tl.load(T + rows[:, None] * stride_t + r[None, :], mask=in_segment[:, None] & (r[None, :] < rank),
-                    other=0.0)  # [BLOCK_T, BLOCK_R]
+        t = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for part in range(parts):  # shrink's partial sums, added up
+            t += tl.load(P + part * stride_ps + rows[:, None] * stride_pt + r[None, :],
+                         mask=in_segment[:, None] & (r[None, :] < rank), other=0.0)  # [BLOCK_T, BLOCK_R]
         b = tl.load(B + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
                     mask=(r[:, None] < rank) & (n[None, :] < n_dim), other=0.0)  # [BLOCK_R, BLOCK_N]: Bᵀ
         if IEEE:
-            delta = tl.dot(t, b, input_precision="ieee")
+            delta = tl.dot(t, b.to(tl.float32), input_precision="ieee")
         else:
-            delta = tl.dot(t, b)
+            delta = tl.dot(t.to(b.dtype), b)  # t rounded to the model's dtype, as the reference's t is
         mask = in_segment[:, None] & (n[None, :] < n_dim)
         out = Y + rows[:, None] * stride_y + n[None, :]
         y = tl.load(out, mask=mask, other=0.0)
@@ -84,25 +95,27 @@ def _expand_kernel(T, B, Y, Order, Starts, stride_t, stride_bs, stride_bn, strid
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """t [T, R] with t[i] = x[i] A[s]ᵀ for the rows of each slot s (rows of no slot: not written)."""
+    """Partial sums p [parts, T, R] (float32) of t[i] = x[i] A[s]ᵀ for the rows of each slot s, one
+    per SPLIT_K input features: t = p.sum(0). Rows of no slot are not written (expand never reads them)."""
     num_tokens, k_dim = x.shape
     slots, rank, _ = a.shape
-    t = x.new_empty(num_tokens, rank)  # rows of no slot stay unwritten: expand never reads them
-    grid = (slots, triton.cdiv(num_tokens, BLOCK_T))
-    _shrink_kernel[grid](x, a, t, rows.order, rows.starts, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-                         k_dim, rank, BLOCK_T=BLOCK_T, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                         BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
-    return t
+    parts = triton.cdiv(k_dim, SPLIT_K)
+    p = x.new_empty(parts, num_tokens, rank, dtype=torch.float32)
+    grid = (slots, triton.cdiv(num_tokens, BLOCK_T), parts)
+    _shrink_kernel[grid](x, a, p, rows.order, rows.starts, x.stride(0), a.stride(0), a.stride(1), p.stride(0),
+                         p.stride(1), k_dim, rank, BLOCK_T=BLOCK_T, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                         BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, IEEE=x.dtype == torch.float32)
+    return p
 
 
-def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> torch.Tensor:
-    """y[i] += t[i] B[s]ᵀ for the rows of each slot s, in place; returns y."""
+def lora_expand(y: torch.Tensor, p: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+    """y[i] += t[i] B[s]ᵀ for the rows of each slot s, in place, t being the sum of shrink's partials p; returns y."""
     num_tokens, n_dim = y.shape
     slots, _, rank = b.shape
     grid = (slots, triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(n_dim, BLOCK_N))
-    _expand_kernel[grid](t, b, y, rows.order, rows.starts, t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-                         n_dim, rank, BLOCK_T=BLOCK_T, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                         BLOCK_N=BLOCK_N, IEEE=y.dtype == torch.float32)
+    _expand_kernel[grid](p, b, y, rows.order, rows.starts, p.stride(0), p.stride(1), b.stride(0), b.stride(1),
+                         y.stride(0), n_dim, rank, p.shape[0], BLOCK_T=BLOCK_T,
+                         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=BLOCK_N, IEEE=y.dtype == torch.float32)
     return y
 
 

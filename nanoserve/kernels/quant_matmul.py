@@ -29,6 +29,41 @@ from nanoserve.model.quantized import QuantizedLinear
 
 
 @triton.jit
+def _widen_tile(Q, S, O, cols, k0, in_cols, K, stride_q, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[cols, k0 : k0 + BLOCK_K] widened in registers: [BLOCK_N, BLOCK_K] float32 codes · s + o.
+
+    The codes are read as stored (4 bits: BLOCK_K / 2 bytes a row, each split into its low nibble,
+    the even input, and its high one). When BLOCK_K is a multiple of a power-of-two GROUP, each row
+    reads BLOCK_K / GROUP scales and offsets, broadcast over their groups; otherwise (a group size
+    such as 48) every weight gathers its own group's, which is slower but any size works."""
+    if BITS == 8:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        code = tl.load(Q + cols[:, None] * stride_q + ks[None, :], mask=in_cols[:, None] & (ks[None, :] < K),
+                       other=0).to(tl.float32)
+    else:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(Q + cols[:, None] * stride_q + half[None, :], mask=in_cols[:, None] & (half[None, :] < K // 2),
+                       other=0).to(tl.int32)
+        code = tl.interleave(byte & 0xF, byte >> 4).to(tl.float32)  # inputs 2j and 2j + 1
+    if BLOCK_K % GROUP == 0 and (GROUP & (GROUP - 1)) == 0:
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        at = cols[:, None] * stride_s + g[None, :]
+        both = in_cols[:, None] & (g[None, :] < K // GROUP)
+        s = tl.load(S + at, mask=both, other=0.0).to(tl.float32)
+        o = tl.load(O + at, mask=both, other=0.0).to(tl.float32)
+        w = tl.reshape(code, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None] + o[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        at = cols[:, None] * stride_s + (ks // GROUP)[None, :]
+        both = in_cols[:, None] & (ks[None, :] < K)
+        s = tl.load(S + at, mask=both, other=0.0).to(tl.float32)
+        o = tl.load(O + at, mask=both, other=0.0).to(tl.float32)
+        return code * s + o
+
+
+@triton.jit
 def _quant_matmul_kernel(X, Q, S, O, Y, M, N, K, stride_x, stride_q, stride_s, stride_y,
                          BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -38,18 +73,9 @@ def _quant_matmul_kernel(X, Q, S, O, Y, M, N, K, stride_x, stride_q, stride_s, s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        in_k = ks < K
-        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
-        both = in_cols[:, None] & in_k[None, :]
-        if BITS == 8:
-            code = tl.load(Q + cols[:, None] * stride_q + ks[None, :], mask=both, other=0).to(tl.float32)
-        else:
-            byte = tl.load(Q + cols[:, None] * stride_q + (ks // 2)[None, :], mask=both, other=0).to(tl.int32)
-            code = ((byte >> ((ks % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-        group = cols[:, None] * stride_s + (ks // GROUP)[None, :]
-        s = tl.load(S + group, mask=both, other=0.0).to(tl.float32)
-        o = tl.load(O + group, mask=both, other=0.0).to(tl.float32)
-        w = (code * s + o).to(x.dtype)  # [BLOCK_N, BLOCK_K], rounded as the reference rounds the weight
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)
+        w = _widen_tile(Q, S, O, cols, k0, in_cols, K, stride_q, stride_s, BITS, GROUP, BLOCK_N, BLOCK_K)
+        w = w.to(x.dtype)  # [BLOCK_N, BLOCK_K], rounded as the reference rounds the weight
         acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=in_rows[:, None] & in_cols[None, :])
@@ -58,45 +84,46 @@ def _quant_matmul_kernel(X, Q, S, O, Y, M, N, K, stride_x, stride_q, stride_s, s
 @triton.jit
 def _quant_gemv_kernel(X, Q, S, O, Y, N, K, stride_x, stride_q, stride_s, stride_y,
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One activation row (program_id 1) against BLOCK_N rows of W: a decode step's product is a
-    # matrix-vector one, and a 16-row tile product would be 15/16 padding. Widen, multiply, sum a row.
+    # One activation row (program_id 0) against BLOCK_N rows of W (program_id 1): a decode step's
+    # product is a matrix-vector one, and a 16-row tile product would be 15/16 padding. The row
+    # axis is the grid's first, so a block of W's programs for all rows run side by side and
+    # W crosses the memory bus once, the other rows reading it from the L2 cache.
     # >>> week22: quant-gemv
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.program_id(1)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        in_k = ks < K
-        x = tl.load(X + row * stride_x + ks, mask=in_k, other=0.0)
-        both = in_cols[:, None] & in_k[None, :]
-        if BITS == 8:
-            code = tl.load(Q + cols[:, None] * stride_q + ks[None, :], mask=both, other=0).to(tl.float32)
-        else:
-            byte = tl.load(Q + cols[:, None] * stride_q + (ks // 2)[None, :], mask=both, other=0).to(tl.int32)
-            code = ((byte >> ((ks % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-        group = cols[:, None] * stride_s + (ks // GROUP)[None, :]
-        s = tl.load(S + group, mask=both, other=0.0).to(tl.float32)
-        o = tl.load(O + group, mask=both, other=0.0).to(tl.float32)
-        w = (code * s + o).to(x.dtype).to(tl.float32)  # rounded as the reference rounds the weight
+        x = tl.load(X + row * stride_x + ks, mask=ks < K, other=0.0)
+        w = _widen_tile(Q, S, O, cols, k0, in_cols, K, stride_q, stride_s, BITS, GROUP, BLOCK_N, BLOCK_K)
+        w = w.to(x.dtype).to(tl.float32)  # rounded as the reference rounds the weight
         acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
     tl.store(Y + row * stride_y + cols, acc.to(Y.dtype.element_ty), mask=in_cols)
     # <<< week22: quant-gemv
 
 
 GEMV_ROWS = 4  # up to this many rows, one matrix-vector product per row (a decode step of a small batch)
-GEMV_BLOCKS = (16, 256)  # BLOCK_N, BLOCK_K: a first guess, to be tuned on a GPU
+GEMV_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: within 5% of the best of 7 on an H100 for every 1B projection
+THIN = (16, 32, 256, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: up to 64 rows of a projection of < 8,192 outputs
+WIDE = (64, 64, 128, 4, 3)  # wider outputs, or more rows (docs/benchmarks.md: bench_quant_matmul.py --sweep)
 
 
-def tile_sizes(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the tile product: 16-row tiles for small batches, larger above."""
-    if m <= 16:
-        return 16, 64, 128
-    return 64, 64, 64
+def tile_sizes(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tile product for m rows and n outputs: thin
+    tiles for the small batches of decode, so that enough programs read W at once."""
+    return THIN if m <= 16 or (m <= 64 and n < 8192) else WIDE
 
 
-def quant_matmul(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    """x [T, K] (any leading shape) · Wᵀ for the layer's grouped codes -> [T, N] in x's dtype."""
+def _block_k(block_k: int, layer: QuantizedLinear) -> int:
+    """A tile's inputs: at least one whole group when the group size is a power of two."""
+    g = layer.group_size
+    return max(block_k, g) if g & (g - 1) == 0 else block_k
+
+
+def quant_matmul(x: torch.Tensor, layer: QuantizedLinear, config: tuple | None = None) -> torch.Tensor:
+    """x [T, K] (any leading shape) · Wᵀ for the layer's grouped codes -> [T, N] in x's dtype.
+    `config` overrides the block sizes (scripts/bench_quant_matmul.py --sweep tries several)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
@@ -105,19 +132,22 @@ def quant_matmul(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     n = layer.out_features
     y = x2.new_empty(m, n)
     if m <= GEMV_ROWS:
-        bn, bk = GEMV_BLOCKS
-        _quant_gemv_kernel[(triton.cdiv(n, bn), m)](x2, layer.packed, layer.scales, layer.offsets, y, n, k,
+        bn, bk, warps = config or GEMV_BLOCKS
+        bk = _block_k(bk, layer)
+        _quant_gemv_kernel[(m, triton.cdiv(n, bn))](x2, layer.packed, layer.scales, layer.offsets, y, n, k,
                                                     x2.stride(0), layer.packed.stride(0), layer.scales.stride(0),
                                                     y.stride(0), BITS=layer.bits, GROUP=layer.group_size,
-                                                    BLOCK_N=bn, BLOCK_K=bk)
+                                                    BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         return y.reshape(*shape[:-1], n)
-    bm, bn, bk = tile_sizes(m)
+    bm, bn, bk, warps, stages = config or tile_sizes(m, n)
+    bk = _block_k(bk, layer)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _quant_matmul_kernel[grid](x2, layer.packed, layer.scales, layer.offsets, y, m, n, k,
                                x2.stride(0), layer.packed.stride(0), layer.scales.stride(0), y.stride(0),
                                BITS=layer.bits, GROUP=layer.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                # float32 models are the token-exact ones: no TF32 rounding of their products
-                               PRECISION="ieee" if x2.dtype == torch.float32 else "tf32")
+                               PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+                               num_warps=warps, num_stages=stages)
     return y.reshape(*shape[:-1], n)
 
 

@@ -170,6 +170,7 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def weight_bytes(self) -> int:
+        """What a product reads for the weight: the e4m3 bytes and their float32 scales."""
         return self.weight_fp8.numel() + self.scales.numel() * 4
 
 

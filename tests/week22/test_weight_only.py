@@ -49,10 +49,12 @@ def test_round_to_nearest_is_within_half_a_step(bits, group):
 
 @pytest.mark.exercise("quant-gemv")
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m,k,n,group", [(1, 256, 96, 32), (3, 128, 64, 64), (17, 256, 130, 128), (40, 64, 48, 16)])
+@pytest.mark.parametrize("m,k,n,group", [(1, 256, 96, 32), (3, 128, 64, 64), (17, 256, 130, 128), (40, 64, 48, 16),
+                                            (2, 192, 40, 48), (20, 192, 40, 24)])
 def test_the_kernel_equals_dequantize_then_multiply(bits, m, k, n, group):
     """Float32: the kernels equal widening the whole weight first, to 1e-5 relative (only the order
-    of the sums differs): one row at a time up to 4 rows (the matrix-vector kernel), tiles above; ragged n."""
+    of the sums differs): one row at a time up to 4 rows (the matrix-vector kernel), tiles above; ragged n;
+    group sizes that are not powers of two (each weight gathers its own scale)."""
     torch.manual_seed(1)
     layer = QuantizedLinear.from_linear(nn.Linear(k, n, bias=False), bits, group)
     x = torch.randn(m, k)
@@ -136,10 +138,10 @@ def test_on_a_gpu_the_kernels_equal_the_dequantized_weights_token_for_token(sche
     """Float32 on CUDA: the compiled kernels (matrix-vector for decode steps, tiles for prompts,
     inside CUDA graphs) give the greedy tokens of the widened weights."""
     quantized = LLM("tiny", device="cuda", dtype=torch.float32, quantization=scheme, quantization_group_size=32,
-                    gpu_memory_utilization=0.3)
+                    kv_cache_memory=2**28)  # a fixed pool: two engines share the GPU
     assert all(m.kernel is not None for m in quantized.engine.model.modules() if isinstance(m, QuantizedLinear))
     reference = LLM(str(dequantized_checkpoint(tmp_path, bits, 32)), device="cuda", dtype=torch.float32,
-                    gpu_memory_utilization=0.3)
+                    kv_cache_memory=2**28)
     ours = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert ours == [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
 

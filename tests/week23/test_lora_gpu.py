@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 
 def engines(tiny, adapters, dtype, **options):
     modules = {k: str(v) for k, v in adapters.items()}
-    common = dict(device="cuda", dtype=dtype, lora_modules=modules, max_loras=3, max_num_seqs=16, **options)
+    common = dict(device="cuda", dtype=dtype, lora_modules=modules, max_loras=3, max_num_seqs=16,
+                  kv_cache_memory=2**28, **options)  # a fixed pool: two engines share the GPU
     graphs = LLM(str(tiny[0]), attention_backend="triton", **common)
     eager = LLM(str(tiny[0]), attention_backend="torch", cuda_graphs=False, **common)
     assert graphs.engine.runner.graphs is not None and graphs.engine.runner.graphs.capture
