@@ -112,12 +112,18 @@ class AsyncEngine:
     @property
     def failed(self) -> str | None:
         """Why the engine can serve no more (a tensor-parallel rank died, or, issue 35, the other
-        instance of its disaggregated pair is gone), or None."""
+        instance of its disaggregated pair is gone or not yet joined), or None."""
         workers = self.engine.workers
         if workers is not None and workers.failed is not None:
             return workers.failed
         kv = self.engine.kv_transfer_stats()
-        return None if kv is None or kv["broken"] is None else f"KV connector: {kv['broken']}"
+        if kv is None:
+            return None
+        if kv["broken"] is not None:
+            return f"KV connector: {kv['broken']}"
+        # Not yet joined (starting, or a replaced peer's new session forming): /health says 503 until
+        # the pair can move KV, so a proxy never routes a request into that moment.
+        return None if kv["connected"] else "KV connector: no session with the other instance of the pair yet"
 
     # -- the asyncio side --------------------------------------------------------------------
 

@@ -351,10 +351,11 @@ class KVConnector:
 
     def stats(self) -> dict:
         """Transfers so far: how many and how many bytes each way, the failed ones, the seconds the
-        received ones took in all, and why the pair is broken (None while it works)."""
+        received ones took in all, why the pair is broken (None while it works), and whether this
+        side has joined a session with a peer (`connected`: the group is formed and the layouts match)."""
         return dict(sent=self.num_sent, bytes_sent=self.bytes_sent, received=self.num_received,
                     bytes_received=self.bytes_received, failed=self.num_failed,
-                    seconds_received=self.seconds_received, broken=self.broken)
+                    seconds_received=self.seconds_received, broken=self.broken, connected=self.group is not None)
 
     def num_waiting(self) -> int:
         """Copies held for a pull (prefill side) or transfers not yet reported (decode side)."""
