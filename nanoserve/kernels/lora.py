@@ -34,6 +34,8 @@ BLOCK_N = 64  # output features per program of expand
 @triton.jit
 def _shrink_kernel(X, A, T, Order, Starts, stride_x, stride_as, stride_ar, stride_t, k_dim, rank,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # Program (slot, j): rows j·BLOCK_T .. (j + 1)·BLOCK_T − 1 of the slot's segment, all R ranks of t.
+    # >>> week23: sgmv-shrink
     slot = tl.program_id(0)
     start = tl.load(Starts + slot)
     end = tl.load(Starts + slot + 1)
@@ -55,6 +57,7 @@ def _shrink_kernel(X, A, T, Order, Starts, stride_x, stride_as, stride_ar, strid
                 acc += tl.dot(x, a)
         tl.store(T + rows[:, None] * stride_t + r[None, :], acc.to(T.dtype.element_ty),
                  mask=in_segment[:, None] & (r[None, :] < rank))
+    # <<< week23: sgmv-shrink
 
 
 @triton.jit
