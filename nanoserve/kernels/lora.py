@@ -42,6 +42,7 @@ def _shrink_kernel(X, A, P, Order, Starts, stride_x, stride_as, stride_ar, strid
     # One program: one slot, BLOCK_T rows of its segment, SPLIT_K input features. A decode step has a
     # row or a few per slot, so a program walking all of K alone would be a long chain of dependent
     # loads; split, the K axis is read by many programs at once, and each writes its partial sum.
+    # >>> week23: sgmv-shrink
     slot = tl.program_id(0)
     start = tl.load(Starts + slot)
     end = tl.load(Starts + slot + 1)
@@ -64,6 +65,7 @@ def _shrink_kernel(X, A, P, Order, Starts, stride_x, stride_as, stride_ar, strid
                 acc += tl.dot(x, a)
         tl.store(P + part * stride_ps + rows[:, None] * stride_pt + r[None, :], acc,
                  mask=in_segment[:, None] & (r[None, :] < rank))
+    # <<< week23: sgmv-shrink
 
 
 @triton.jit

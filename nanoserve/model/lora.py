@@ -220,6 +220,7 @@ class LoRARows:
 
 def group_rows(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
     """Per-row slots (-1: none) -> (rows grouped by slot, each slot's start in that list, and the end)."""
+    # >>> week23: segments
     by_slot: list[list[int]] = [[] for _ in range(num_slots)]
     for row, slot in enumerate(slots):
         if slot >= 0:
@@ -229,6 +230,7 @@ def group_rows(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
         order += rows
         starts.append(len(order))
     return order, starts
+    # <<< week23: segments
 
 
 def lora_rows(slots: list[int], num_slots: int, device: torch.device | str) -> LoRARows | None:
@@ -245,6 +247,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """y[i] += (x[i] A[s]ᵀ) B[s]ᵀ for every row i of slot s, in place; the reference of the kernels.
 
     y [T, out], x [T, in], a [slots, R, in], b [slots, out, R] (R: the buffers' rank, zero-padded)."""
+    # >>> week23: lora-delta
     groups = rows.groups
     if groups is None:  # a CUDA graph's buffers (here on the CPU, where nothing is captured): read them
         starts = rows.starts.tolist()
@@ -254,6 +257,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         shrunk = x[index] @ a[slot].T  # [n, R]: shrink
         y[index] += shrunk @ b[slot].T  # [n, out]: expand, added to the base output
     return y
+    # <<< week23: lora-delta
 
 
 # ---------------------------------------------------------------------------- the layers
@@ -302,6 +306,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def set_slot(self, slot: int, pieces: list[Piece]) -> None:
         """Write an adapter's pieces into `slot` (all zeros for none): A rows and B's diagonal blocks."""
+        # >>> week23: fuse-pieces
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         first = 0  # the next free rank column
@@ -310,6 +315,7 @@ class LoRALinear(nn.Module):
             self.lora_a[slot, first : first + r].copy_(p.a, non_blocking=True)
             self.lora_b[slot, p.offset : p.offset + rows, first : first + r].copy_(p.b, non_blocking=True)
             first += r
+        # <<< week23: fuse-pieces
 
 
 def enable_lora(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAState, dict[tuple[int, str], LoRALinear]]:

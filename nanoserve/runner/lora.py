@@ -58,6 +58,7 @@ class AdapterPool:
     def make_resident(self, lora_id: int, step: set[int]) -> int:
         """The slot of `lora_id`, loaded if it is not resident; never one of the adapters of this step
         (`step`) or of a running request."""
+        # >>> week23: adapter-pool
         if lora_id in self.resident:
             self.resident.move_to_end(lora_id)
             return self.resident[lora_id]
@@ -77,3 +78,4 @@ class AdapterPool:
         self.resident[lora_id] = slot
         self.num_loads += 1
         return slot
+        # <<< week23: adapter-pool

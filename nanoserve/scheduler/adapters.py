@@ -19,6 +19,7 @@ def hold_back(waiting: deque[Sequence], in_use: Callable[[], set[int]], max_lora
     an adapter to finish; nobody behind the first of them overtakes it. (max_loras 0: no LoRA.)"""
     if not max_loras:
         return waiting, []
+    # >>> week23: hold-back
     adapters = in_use()
     for i, seq in enumerate(waiting):
         if seq.lora_id and seq.lora_id not in adapters:
@@ -27,6 +28,7 @@ def hold_back(waiting: deque[Sequence], in_use: Callable[[], set[int]], max_lora
                 return deque(queue[:i]), queue[i:]
             adapters.add(seq.lora_id)
     return waiting, []
+    # <<< week23: hold-back
 
 
 def name_first_block(seq: Sequence, block_size: int) -> None:
@@ -34,5 +36,9 @@ def name_first_block(seq: Sequence, block_size: int) -> None:
     (`Sequence.cache_salt`), and every later name chains on it: no block of it is ever shared with
     the base model or another adapter. The scheduler calls this before week 14's code would name
     the block from no seed: at arrival, and before the blocks a step filled are named."""
-    if seq.cache_salt is not None and not seq.block_hashes and seq.num_tokens >= block_size:
+    if seq.cache_salt is None:  # the base model: week 14 names its blocks from no seed
+        return
+    # >>> week23: adapter-key
+    if not seq.block_hashes and seq.num_tokens >= block_size:
         seq.block_hashes.append(block_hash(seq.cache_salt, seq.token_ids[:block_size]))
+    # <<< week23: adapter-key

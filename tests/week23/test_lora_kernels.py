@@ -19,6 +19,37 @@ def random_slots(g, num_tokens: int, num_slots: int, none_share: float) -> list[
             for _ in range(num_tokens)]
 
 
+@pytest.mark.exercise("segments")
+def test_rows_grouped_by_slot():
+    """The lesson's worked example: rows in order of their slot, each slot's rows in row order,
+    rows of no adapter left out; `starts` has one more entry than there are slots."""
+    assert group_rows([2, -1, 0, 2, 1, 0], 3) == ([2, 5, 4, 0, 3], [0, 2, 3, 5])
+    assert group_rows([1, 1, 1], 4) == ([0, 1, 2], [0, 0, 3, 3, 3])  # empty segments: equal starts
+    assert group_rows([-1, -1], 2) == ([], [0, 0, 0])
+    assert group_rows([], 1) == ([], [0, 0])
+
+
+@pytest.mark.exercise("lora-delta")
+def test_unmerged_equals_merged():
+    """Each row gets x (W + B[s] A[s])ᵀ for its own slot s, as if that adapter were merged into W;
+    a row of no adapter gets x Wᵀ exactly. The sum is added into y, in place, and y is returned."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(24, 40, generator=g)
+    a, b = torch.randn(3, 8, 40, generator=g), torch.randn(3, 24, 8, generator=g)
+    x = torch.randn(6, 40, generator=g)
+    slots = [1, -1, 0, 1, 2, -1]
+    y = x @ w.T
+    base = y.clone()
+    out = add_lora(y, x, a, b, lora_rows(slots, 3, "cpu"))
+    assert out is y
+    for i, s in enumerate(slots):
+        if s < 0:
+            assert torch.equal(y[i], base[i])
+        else:
+            torch.testing.assert_close(y[i], x[i] @ (w + b[s] @ a[s]).T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.exercise("sgmv-shrink")
 @pytest.mark.parametrize("num_tokens,k,n,slots,rank,none_share", [
     (1, 64, 96, 2, 8, 0.0),  # one decode row
     (7, 40, 72, 3, 12, 0.3),  # ragged sizes: every mask at work
@@ -47,6 +78,7 @@ def test_kernels_equal_the_reference(num_tokens, k, n, slots, rank, none_share):
     assert torch.equal(got[untouched], y[untouched])  # rows of the base model keep the base output exactly
 
 
+@pytest.mark.exercise("sgmv-shrink")
 def test_graph_buffers_read_as_eager_rows():
     """A CUDA graph's rows: a fixed order buffer longer than this step, the starts on the device, no
     host groups. Padding rows (past the real ones) are in no segment and keep their base output."""
@@ -64,6 +96,7 @@ def test_graph_buffers_read_as_eager_rows():
     assert torch.equal(expected[5:], y[5:])
 
 
+@pytest.mark.exercise("sgmv-shrink")
 def test_shrink_writes_each_rows_own_slot():
     x = torch.eye(4, 32)[:3] * 2  # rows pick input features 0, 1, 2
     a = torch.arange(2 * 16 * 32, dtype=torch.float32).view(2, 16, 32)
@@ -72,6 +105,31 @@ def test_shrink_writes_each_rows_own_slot():
     assert torch.equal(t[0], 2 * a[1, :, 0]) and torch.equal(t[1], 2 * a[0, :, 1]) and torch.equal(t[2], 2 * a[1, :, 2])
 
 
+@pytest.mark.exercise("fuse-pieces")
+def test_a_slot_holds_its_pieces_block_diagonally():
+    """The lesson's worked example: q, k, v pieces of ranks 2, 3 and 1 in a slot of rank 3 × 4 = 12.
+    A's rows 0-1, 2-4 and 5 are the pieces' A; B's blocks sit at the pieces' output rows and the same
+    rank columns; everything else is zero, whatever the slot held before."""
+    base = nn.Linear(16, 8 + 4 + 4, bias=False)
+    layer = LoRALinear(base, LoRAState(max_loras=2, max_rank=4), num_pieces=3)
+    assert layer.lora_a.shape == (2, 12, 16) and layer.lora_b.shape == (2, 16, 12)
+    layer.lora_a.fill_(9.0)  # a previous adapter's values
+    layer.lora_b.fill_(9.0)
+    pieces = [Piece(torch.full((2, 16), 1.0), torch.full((8, 2), 10.0), 0),
+              Piece(torch.full((3, 16), 2.0), torch.full((4, 3), 20.0), 8),
+              Piece(torch.full((1, 16), 3.0), torch.full((4, 1), 30.0), 12)]
+    layer.set_slot(1, pieces)
+    a, b = layer.lora_a[1], layer.lora_b[1]
+    assert a[:, 0].tolist() == [1, 1, 2, 2, 2, 3] + [0] * 6
+    expected_b = torch.zeros(16, 12)
+    expected_b[0:8, 0:2], expected_b[8:12, 2:5], expected_b[12:16, 5:6] = 10.0, 20.0, 30.0
+    assert torch.equal(b, expected_b)
+    assert torch.equal(layer.lora_a[0], torch.full((12, 16), 9.0))  # another slot is left alone
+    layer.set_slot(1, [])  # no pieces (an adapter that leaves this layer alone): all zeros
+    assert not layer.lora_a[1].any() and not layer.lora_b[1].any()
+
+
+@pytest.mark.exercise("fuse-pieces")
 def test_a_fused_layer_holds_its_pieces_block_diagonally():
     """q, k and v pieces of ranks 2, 3 and 1 in one LoRA layer = three separate products, each added
     to its own rows of the output; a slot with no pieces adds nothing."""

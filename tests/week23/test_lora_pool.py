@@ -11,6 +11,7 @@ from nanoserve.model.llama import Llama
 from nanoserve.model.lora import enable_lora, read_adapter
 from nanoserve.runner.lora import AdapterPool
 from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduler.prefix_cache import block_hash
 from nanoserve.scheduler.scheduler import Scheduler
 from nanoserve.scheduler.sequence import Sequence
 
@@ -27,6 +28,7 @@ def pool(tiny, adapters):
     return pool
 
 
+@pytest.mark.exercise("adapter-pool")
 def test_the_pool_evicts_the_least_recently_used(pool):
     assert pool.slots([1, 0, 2]) == [0, -1, 1]  # loaded into the free slots; 0 is the base model
     assert pool.slots([1]) == [0]  # resident: no load; 1 is now the most recently used
@@ -37,6 +39,7 @@ def test_the_pool_evicts_the_least_recently_used(pool):
     assert pool.slots([2]) == [0]  # back from host memory, into 1's slot (1 is older than 3)
 
 
+@pytest.mark.exercise("adapter-pool")
 def test_a_slot_in_use_is_never_taken(pool):
     pool.slots([1, 2])
     pool.running = lambda: {1, 2}  # running requests hold both slots
@@ -51,6 +54,7 @@ def test_a_slot_in_use_is_never_taken(pool):
     assert pool.free_slots == [1] and 2 not in pool.adapters
 
 
+@pytest.mark.exercise("hold-back")
 def test_the_scheduler_keeps_a_request_waiting_for_a_slot():
     s = Scheduler(num_blocks=64, block_size=16, max_loras=1)
     first, second, base, third = (Sequence([1, 2, 3], SamplingParams(max_tokens=3), lora_id=i) for i in (1, 2, 0, 1))
@@ -83,10 +87,33 @@ def test_prefix_caching_never_shares_blocks_across_adapters(tiny, adapters):
     assert len({cached.generate(LONG, GREEDY, lora=n)[0].token_ids[0] for n in ("attn8", "mlp4", None)}) > 1
 
 
+@pytest.mark.exercise("adapter-key")
+def test_an_adapters_blocks_are_named_from_its_own_seed():
+    """Under adapter i the first full block's name is block_hash(b"lora:i", its tokens), given at
+    arrival; every later name chains on it as in week 14. So the same prompt gets the same names
+    under the same adapter, and names that share nothing under another adapter or the base model."""
+    prompt = list(range(10, 19))  # two full blocks of 4, and one token
+    under, again, other, base = (Sequence(prompt, SamplingParams(max_tokens=4), lora_id=i) for i in (1, 1, 2, 0))
+    s = Scheduler(num_blocks=64, block_size=4, prefix_caching=True)
+    for seq in (under, again, other, base):
+        s.add(seq)
+    assert under.block_hashes == [block_hash(b"lora:1", prompt[:4])]  # named at arrival
+    while s.has_unfinished():
+        batch = s.schedule()
+        s.update(batch, [[7]] * len(batch.seqs))
+    assert len(under.block_hashes) == 3  # 9 prompt tokens + 4 new, 12 of them computed: three full blocks
+    assert under.block_hashes[1] == block_hash(under.block_hashes[0], prompt[4:8])
+    assert under.block_hashes == again.block_hashes
+    for seq in (other, base):
+        assert not set(seq.block_hashes) & set(under.block_hashes)
+    assert base.block_hashes[0] == block_hash(None, prompt[:4])  # week 14's chain, unchanged
+
+
+@pytest.mark.exercise("adapter-key")
 def test_a_short_prompt_names_its_first_block_under_its_adapter():
     """A prompt shorter than a block fills its first block while decoding: the name it gets then has
     the adapter in it too."""
-    s = Scheduler(num_blocks=64, block_size=4, prefix_caching=True, max_loras=2)
+    s = Scheduler(num_blocks=64, block_size=4, prefix_caching=True)
     under, base = Sequence([5, 6], SamplingParams(max_tokens=4), lora_id=1), Sequence([5, 6], SamplingParams(max_tokens=4))
     for seq in (under, base):
         s.add(seq)
