@@ -58,7 +58,7 @@ def combine(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each token's k expert outputs [T * k, H] (token-major) -> their weighted sum [T, H], in float32,
     slot by slot in the same order everywhere (loop, kernel, expert parallelism)."""
     T, k = weights.shape
-    return (pair_out.view(T, k, -1).float() * weights[..., None]).sum(dim=1)
+    return (pair_out.view(T, k, pair_out.shape[-1]).float() * weights[..., None]).sum(dim=1)
 
 
 def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -205,11 +205,11 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [m for m in model.modules() if isinstance(m, MoEBlock)]
 
 
-def expert_load(model: nn.Module) -> list[list[int]] | None:
-    """Token-expert pairs each expert received, per MoE layer, since the last reset (None: a dense
-    model). Reading waits for the device."""
-    blocks = moe_blocks(model)
-    return [block.load.tolist() for block in blocks] if blocks else None
+def expert_load(model: Llama) -> dict[int, list[int]] | None:
+    """Token-expert pairs each expert received since the last reset, by layer index (MoE layers
+    only; None: a dense model). Reading waits for the device."""
+    load = {i: layer.mlp.load.tolist() for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)}
+    return load or None
 
 
 def reset_expert_load(model: nn.Module) -> None:
