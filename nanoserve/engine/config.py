@@ -229,32 +229,7 @@ class EngineConfig:
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
                        help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels (and "
                             "the experts of a mixture one at a time instead of week 24's grouped kernels)")
-        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
-                            "default: %(default)s)")
-        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="cut the model's layers into this many stages, one process (or --tensor-parallel-size "
-                            "processes) each (week 20; default: %(default)s)")
-        p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
-                       help="split the experts of a mixture of experts over this many GPUs (or CPU processes), "
-                            "attention replicated on each, tokens moved to their experts by all-to-all (week 24; "
-                            "default: %(default)s)")
-        p.add_argument("--pipeline-micro-batches", type=int, default=None,
-                       help="micro-batches each step is cut into for the stages (week 20; default: "
-                            "--pipeline-parallel-size)")
-        p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
-                       help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
-                            "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
-        p.add_argument("--distributed-timeout", type=float, default=300.0,
-                       help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
-        p.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
-                       help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
-                            "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
-                            "default: %(default)s)")
-        p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
-                       help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
-                            "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
-                            "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
+        add_parallel_arguments(p)
         add_quantization_arguments(p)
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
@@ -273,6 +248,36 @@ class EngineConfig:
         if given.get("lora_modules") is not None:
             given["lora_modules"] = parse_lora_modules(given["lora_modules"])
         return cls(**given)
+
+
+def add_parallel_arguments(p) -> None:
+    """Weeks 18, 20 and 24's options (several processes for one engine), in the engine's group."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
+                        "default: %(default)s)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="cut the model's layers into this many stages, one process (or --tensor-parallel-size "
+                        "processes) each (week 20; default: %(default)s)")
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                   help="split the experts of a mixture of experts over this many GPUs (or CPU processes), "
+                        "attention replicated on each, tokens moved to their experts by all-to-all (week 24; "
+                        "default: %(default)s)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches each step is cut into for the stages (week 20; default: "
+                        "--pipeline-parallel-size)")
+    p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
+                   help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
+                        "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
+    p.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
+    p.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
+                   help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
+                        "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
+                        "default: %(default)s)")
+    p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
+                   help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
+                        "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
+                        "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
 
 
 def add_quantization_arguments(p) -> None:

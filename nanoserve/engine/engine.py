@@ -34,8 +34,6 @@ from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.expert_parallel import check_expert_parallel
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
 from nanoserve.model.moe import expert_load
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
@@ -86,8 +84,6 @@ class Engine:
             raise ValueError(f"distributed_executor={c.distributed_executor!r} starts the other ranks of a tensor-"
                              "parallel engine: it needs tensor_parallel_size > 1 (or pipeline_parallel_size > 1)")
         check_pipeline_config(c, model_dir)  # week 20: what stages refuse, said before any process starts
-        if c.expert_parallel_size > 1:  # week 24: the experts must split evenly, said before any process starts
-            check_expert_parallel(ModelConfig.from_json(model_dir), c.expert_parallel_size)
         if c.cpu_offload_gb and not (self._prefix_caching() and c.batching == "continuous"):
             raise ValueError("--cpu-offload-gb keeps the blocks the prefix cache evicts: it needs prefix caching "
                              "(--enable-prefix-caching, with continuous batching)")
@@ -303,10 +299,8 @@ class Engine:
         return self.runner.bubble_stats() if self.config.pipeline_parallel_size > 1 else None
 
     def expert_load(self) -> dict[int, list[int]] | None:
-        """Week 24: token-expert pairs routed to each expert of each MoE layer (by layer index) since
-        the engine started, or None for a dense model. Under expert parallelism the driver routes every
-        token of a step too, so its counts are the whole engine's. On a GPU with CUDA graphs the
-        padding rows of a padded decode step are counted as well: they go through the experts too."""
+        """Week 24: token-expert pairs routed to each expert since the engine started, by MoE layer (None: a
+        dense model); all ranks' (`nanoserve/model/moe.py`, `nanoserve/model/expert_parallel.py`)."""
         return expert_load(self.model)
 
     def prefix_cache_stats(self) -> dict | None:

@@ -207,7 +207,10 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
 
 def expert_load(model: Llama) -> dict[int, list[int]] | None:
     """Token-expert pairs each expert received since the last reset, by layer index (MoE layers
-    only; None: a dense model). Reading waits for the device."""
+    only; None: a dense model). Reading waits for the device. Under expert parallelism every rank
+    routes every token of a step (it dispatches only its share), so one rank's counts are all ranks'.
+    On a GPU with CUDA graphs the padding rows of a padded decode step count too: they go through
+    the experts like the others."""
     load = {i: layer.mlp.load.tolist() for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)}
     return load or None
 
