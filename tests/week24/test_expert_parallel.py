@@ -80,3 +80,17 @@ def test_the_flag():
         config = EngineConfig.from_args(parser.parse_args(argv))
         assert config.expert_parallel_size == 2 and config.world_size == 2
     assert EngineConfig.from_args(parser.parse_args(["chat"])).expert_parallel_size == 1
+
+
+@pytest.mark.gpu
+def test_two_gpus_equal_one(moe_checkpoints, moe_prompts):
+    """EP=2 over NCCL on two GPUs (eager steps, the grouped kernels on each rank's experts): EP=1's tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    path, _ = moe_checkpoints["qwen2_moe"]
+    gpu = dict(COMMON, device="cuda")
+    with LLM(str(path), **gpu) as llm:
+        one = [o.token_ids for o in llm.generate(moe_prompts, GREEDY)]
+    with LLM(str(path), **gpu, expert_parallel_size=2) as llm:
+        assert llm.engine.runner.graphs is None
+        assert [o.token_ids for o in llm.generate(moe_prompts, GREEDY)] == one
