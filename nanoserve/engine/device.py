@@ -77,9 +77,10 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
     # anything: that is how the CPU tests check them.
     week12 = device.startswith("cuda") and 12 not in stubbed_weeks()
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12 and not pipeline) \
+        and attention_backend == "triton"
     fused = c.fused_kernels if c.fused_kernels is not None else week12
-    default_graphs = week12 and not pipeline and moe_graphs_allowed(c, model, fused)
-    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else default_graphs) and attention_backend == "triton"
+    use_graphs = use_graphs and moe_graphs_allowed(c, model, fused)  # week 24
     runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
                        max_model_len=max_model_len, max_batch=c.max_num_seqs,
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
