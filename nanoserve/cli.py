@@ -475,7 +475,7 @@ def worker_rank_under_torchrun(args: argparse.Namespace) -> bool:
     config = EngineConfig.from_args(args)
     if config.world_size != size:  # (week 20: every stage of a pipeline is a tensor-parallel group)
         raise ValueError(f"torchrun started {size} ranks but --tensor-parallel-size x --pipeline-parallel-size "
-                         f"is {config.world_size}")
+                         f"x --expert-parallel-size is {config.world_size}")
     config.device = config.device or default_device()
     init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     worker_main(config, rank, size, init, config.distributed_timeout, rank_device(config.device, rank))

@@ -35,9 +35,7 @@ LLAMA_3_2_1B = dict(
 # Week 18's larger shape (Llama-3.1-8B): for tensor-parallel figures, random weights.
 LLAMA_3_1_8B = dict(
     LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
-    tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    tie_word_embeddings=False, rope_parameters=dict(LLAMA_3_2_1B["rope_parameters"], factor=8.0),
 )
 
 
@@ -81,6 +79,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                          layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                          rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
                                                           "full_attention": dict(rope_type="default", rope_theta=10000.0)})),
+    # Week 24: 8 experts top-2 renormalized; 16 small ones top-4 as they come, a shared expert, layer 1 dense.
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=96, mlp_only_layers=[1])),
 }
 
 
@@ -93,8 +95,7 @@ def make_family_model(family: str, seed: int = 0, init_std: float = 0.15, **over
                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=1024,
                tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
                initializer_range=init_std, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg.update(extra)
-    cfg.update(overrides)
+    cfg.update(extra, **overrides)
     config_class = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
     torch.manual_seed(seed)
     hf_config = getattr(transformers, config_class)(**cfg)
@@ -115,8 +116,7 @@ def make_family_checkpoint(path: str | Path, family: str, seed: int = 0, **overr
     return save_checkpoint(model, path), model
 
 
-def save_checkpoint(model, path: str | Path, max_shard_size: str | None = None,
-                    with_tokenizer: bool = True) -> Path:
+def save_checkpoint(model, path: str | Path, max_shard_size: str | None = None, with_tokenizer: bool = True) -> Path:
     """Write `model` as a HF checkpoint directory, with the tiny model's tokenizer files."""
     path = Path(path)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -129,8 +129,8 @@ def save_checkpoint(model, path: str | Path, max_shard_size: str | None = None,
     return path
 
 
-def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed: int = 0,
-                    init_std: float = 0.15, **save_kwargs: Any):
+def make_checkpoint(path: str | Path, config: dict[str, Any] | None = None, seed: int = 0, init_std: float = 0.15,
+                    **save_kwargs: Any):
     """Build a random HF model, save it to `path`, return (path, the HF model)."""
     model = make_hf_model(config or tiny_config(), seed=seed, init_std=init_std)
     return save_checkpoint(model, path, **save_kwargs), model

@@ -134,7 +134,7 @@ def engine_options(args: argparse.Namespace) -> list[str]:
     for name in ("dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_cache_memory",
                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "batching", "scheduling_policy", "speculative", "draft_model", "tensor_parallel_size",
-                 "distributed_executor", "ray_placement", "data_parallel_size"):
+                 "expert_parallel_size", "distributed_executor", "ray_placement", "data_parallel_size"):
         value = getattr(args, name)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]

@@ -18,6 +18,7 @@ from nanoserve.bench.common import (
     vocab_size_of,
 )
 from nanoserve.bench.latency import profile_steps, step_breakdown
+from nanoserve.model.moe import reset_expert_load
 
 
 def print_bubble(engine) -> dict | None:
@@ -29,6 +30,25 @@ def print_bubble(engine) -> dict | None:
               f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
               f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
     return bubble
+
+
+def print_expert_load(engine) -> dict | None:
+    """Week 24: how the timed run's token-expert pairs spread over the experts of a mixture (summed over
+    its MoE layers), as a text histogram, and each layer's busiest expert against an even spread;
+    returns the figures (None for a dense model)."""
+    load = engine.expert_load()
+    if load is None:
+        return None
+    totals = [sum(column) for column in zip(*load.values())]
+    even = sum(totals) / len(totals)
+    imbalance = {layer: max(c) * len(c) / sum(c) for layer, c in load.items() if sum(c)}
+    print(f"expert load over {len(load)} MoE layers: token-expert pairs per expert (an even spread: {even:,.0f} each)")
+    for expert, n in enumerate(totals):
+        print(f"  expert {expert:3d} {'#' * round(40 * n / max(max(totals), 1)):<40} {n:,}")
+    if imbalance:
+        print(f"busiest expert / even spread, per layer: mean {sum(imbalance.values()) / len(imbalance):.2f}, "
+              f"worst {max(imbalance.values()):.2f} (layer {max(imbalance, key=imbalance.get)})")
+    return dict(per_expert=totals, per_layer=load, busiest_over_even=imbalance)
 
 
 def profile_full_batch(engine, prompts: list, params: list, device: str) -> None:
@@ -68,6 +88,7 @@ def bench_throughput(args) -> dict:
     engine.trace.clear()
     if engine.pipeline_stats() is not None:  # week 20: count the bubble of the timed run only
         engine.runner.reset_bubble_stats()
+    reset_expert_load(engine.model)  # week 24: the timed run's routing only
     sync_device(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -82,12 +103,15 @@ def bench_throughput(args) -> dict:
     print(f"{num_prefill} steps with a prefill: {prefill:.2f} s; {len(engine.trace) - num_prefill} decode steps: "
           f"{decode:.2f} s; outside steps: {elapsed - prefill - decode:.2f} s")
     bubble = print_bubble(engine)
+    load = print_expert_load(engine)
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(lengths), "every request must produce exactly its output length"
     rows = [dict(engine="nanoserve", output_tok_s=out_tokens / elapsed, seconds=elapsed,
                  steps=engine.num_steps - steps0, preemptions=engine.scheduler.num_preemptions)]
     if bubble is not None:
         rows[0]["pipeline_bubble"] = bubble
+    if load is not None:
+        rows[0]["expert_load"] = load
     kv_blocks = engine.runner.cache.num_blocks
     llm.close()  # the other ranks stop now, not at some later garbage collection
     del llm, engine

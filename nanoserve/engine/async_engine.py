@@ -101,6 +101,9 @@ class AsyncEngine:
         kv = self.engine.kv_transfer_stats()
         if kv is not None:
             stats["kv_transfer"] = kv
+        load = self.engine.expert_load()
+        if load is not None:  # week 24: a mixture of experts
+            stats["expert_load"] = load
         return stats
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -73,6 +73,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may take in all
     tensor_parallel_size: int = 1  # week 18: ranks the model is split over (one GPU each, or CPU processes)
     pipeline_parallel_size: int = 1  # week 20: stages the model's layers are cut into (world: tensor × pipeline)
+    expert_parallel_size: int = 1  # week 24: ranks the experts of a mixture of experts are split over (attention
+    # replicated on each); not combined with tensor or pipeline parallelism yet
     pipeline_micro_batches: int | None = None  # week 20: micro-batches per step through the stages; default:
     # pipeline_parallel_size (why: nanoserve/runner/pipeline.py)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
@@ -101,8 +103,9 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        """The processes of one engine (week 20): each stage of the pipeline is a tensor-parallel group."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """The processes of one engine (week 20): each stage of the pipeline is a tensor-parallel group (week 24:
+        or the expert-parallel ranks)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size
 
     def __post_init__(self) -> None:
         if self.enable_chunked_prefill is None:
@@ -135,8 +138,22 @@ class EngineConfig:
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         self._check_lora()
+        self._check_expert_parallel()
         if self.ray_placement != "pack" and self.distributed_executor != "ray":
             raise ValueError(f"--ray-placement {self.ray_placement} places Ray actors: it needs --distributed-executor ray")
+
+    def _check_expert_parallel(self) -> None:
+        """Week 24: what expert parallelism refuses (the model's experts are checked once it is found)."""
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size}: ranks, 1 (off) or more")
+        if self.expert_parallel_size == 1:
+            return
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("--expert-parallel-size runs attention replicated on every rank: it is not combined with "
+                             "--tensor-parallel-size or --pipeline-parallel-size yet (leave them at 1)")
+        if self.cuda_graphs:
+            raise ValueError("cuda_graphs=True with expert parallelism: its all-to-alls are sized on the host each step, "
+                             "so steps run eagerly (leave it unset)")
 
     def _check_lora(self) -> None:
         """Week 23: LoRA's defaults, and what it refuses."""
@@ -210,29 +227,9 @@ class EngineConfig:
         p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                        help="run decode steps eagerly on CUDA")
         p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_const", const=False, default=None,
-                       help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels")
-        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
-                            "default: %(default)s)")
-        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="cut the model's layers into this many stages, one process (or --tensor-parallel-size "
-                            "processes) each (week 20; default: %(default)s)")
-        p.add_argument("--pipeline-micro-batches", type=int, default=None,
-                       help="micro-batches each step is cut into for the stages (week 20; default: "
-                            "--pipeline-parallel-size)")
-        p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
-                       help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
-                            "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
-        p.add_argument("--distributed-timeout", type=float, default=300.0,
-                       help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
-        p.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
-                       help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
-                            "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
-                            "default: %(default)s)")
-        p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
-                       help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
-                            "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
-                            "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
+                       help="run the PyTorch norms, RoPE and SwiGLU on CUDA instead of week 12's fused kernels (and "
+                            "the experts of a mixture one at a time instead of week 24's grouped kernels)")
+        add_parallel_arguments(p)
         add_quantization_arguments(p)
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
@@ -251,6 +248,36 @@ class EngineConfig:
         if given.get("lora_modules") is not None:
             given["lora_modules"] = parse_lora_modules(given["lora_modules"])
         return cls(**given)
+
+
+def add_parallel_arguments(p) -> None:
+    """Weeks 18, 20 and 24's options (several processes for one engine), in the engine's group."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes), one process each (week 18; "
+                        "default: %(default)s)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="cut the model's layers into this many stages, one process (or --tensor-parallel-size "
+                        "processes) each (week 20; default: %(default)s)")
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                   help="split the experts of a mixture of experts over this many GPUs (or CPU processes), "
+                        "attention replicated on each, tokens moved to their experts by all-to-all (week 24; "
+                        "default: %(default)s)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches each step is cut into for the stages (week 20; default: "
+                        "--pipeline-parallel-size)")
+    p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
+                   help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
+                        "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")
+    p.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds a rank waits for the others before the engine fails (default: %(default)g)")
+    p.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto",
+                   help="tensor parallelism on the GPUs of one host: auto sums small messages in one kernel "
+                        "over peer-to-peer memory and large ones with NCCL; nccl always uses NCCL (week 20; "
+                        "default: %(default)s)")
+    p.add_argument("--ray-placement", choices=list(RAY_PLACEMENTS), default="pack",
+                   help="with --distributed-executor ray: put the ranks on as few nodes as possible (pack: "
+                        "tensor parallelism wants one host's NVLink), over as many as possible (spread), on one "
+                        "node or fail (strict-pack), one per node or fail (strict-spread) (default: %(default)s)")
 
 
 def add_quantization_arguments(p) -> None:

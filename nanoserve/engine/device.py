@@ -19,7 +19,9 @@ from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
 from nanoserve.model.gguf_quantized import use_gguf_blocks
 from nanoserve.model.loader import gguf_source, load_model
+from nanoserve.model.expert_parallel import shard_experts
 from nanoserve.model.lora import enable_lora
+from nanoserve.model.moe import check_moe_supported, moe_blocks, reset_expert_load
 from nanoserve.model.quantized import quantize_model
 from nanoserve.model.tensor_parallel import OneShotAllReduce, min_over_ranks, shard_model
 from nanoserve.runner.lora import AdapterPool
@@ -53,10 +55,13 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         model = build_stage_model(c, group, dtype, device)
     elif group is None:  # (a GGUF file's blocks replace the widened projections on the host: never on the device)
         model = load_model(c.model, dtype=dtype, device="cpu" if c.quantization == "gguf" else device)
+    elif c.expert_parallel_size > 1:  # week 24: this rank's experts, everything else whole
+        model = shard_experts(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
     else:  # load whole on the CPU, keep this rank's shard, then move it
         model = shard_model(load_model(c.model, dtype=dtype, device="cpu"), group).to(device)
         if c.all_reduce == "auto" and device.startswith("cuda"):  # week 20
             group.one_shot = one_shot_all_reduce(group, dtype, device)
+    check_moe_supported(model, c.quantization, c.lora)  # week 24
     if c.quantization is not None:  # issue 33: the projections as grouped codes, before the pool is sized
         if c.quantization == "gguf":
             use_gguf_blocks(model, gguf_source(c.model))
@@ -74,12 +79,14 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     week12 = device.startswith("cuda") and 12 not in stubbed_weeks()
     use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12 and not pipeline) \
         and attention_backend == "triton"
+    fused = c.fused_kernels if c.fused_kernels is not None else week12
+    use_graphs = use_graphs and moe_graphs_allowed(c, model, fused)  # week 24
     runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
                        max_model_len=max_model_len, max_batch=c.max_num_seqs,
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
-                       fused_kernels=c.fused_kernels if c.fused_kernels is not None else week12)
+                       fused_kernels=fused)
     if c.lora:  # week 23: LoRA layers swapped in for the model's linear layers, their slots in a pool
         runner_args["lora"] = AdapterPool(*enable_lora(model, c.max_loras, c.max_lora_rank))
     runner_class = PipelineRunner if pipeline else ModelRunner
@@ -93,8 +100,22 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     if group is not None:  # the block tables must fit on every rank (of every stage)
         num_blocks = min_over_ranks(group, num_blocks)
     runner = runner_class(model, num_blocks, c.block_size, **runner_args)
+    reset_expert_load(model)  # week 24: count the served steps' routing, not the measured step's or the captures'
     return DeviceSide(model, runner, num_blocks, max_model_len, attention_backend, kv_sizing,
                       runner_args["cpu_blocks"])
+
+
+def moe_graphs_allowed(c: EngineConfig, model: Llama, fused: bool) -> bool:
+    """Week 24: whether a mixture of experts may run in CUDA graphs: not under expert parallelism (its
+    all-to-alls are sized on the host), nor with the per-expert loop on a GPU (it finds each expert's
+    rows on the host); the grouped kernels read nothing there."""
+    if not moe_blocks(model):
+        return True
+    loop_on_gpu = c.device.startswith("cuda") and not fused
+    if loop_on_gpu and c.cuda_graphs:
+        raise ValueError("cuda_graphs=True with --no-fused-kernels on a mixture of experts: the per-expert loop "
+                         "cannot be captured in a CUDA graph (keep the fused kernels, or leave cuda_graphs unset)")
+    return c.expert_parallel_size == 1 and not loop_on_gpu
 
 
 def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=None) -> int:

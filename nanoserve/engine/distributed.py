@@ -56,6 +56,9 @@ from nanoserve.engine.device import build_device_side
 from nanoserve.engine.pipeline import rank_name
 from nanoserve.engine.ray_cluster import RayRanks
 from nanoserve.engine.step_channel import open_channel
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.expert_parallel import check_expert_parallel
+from nanoserve.model.loader import resolve_model_dir
 from nanoserve.model.tensor_parallel import Group
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -347,6 +350,8 @@ def start_tensor_parallel(c: EngineConfig):
 
     if c.speculative is not None:
         raise ValueError("speculative decoding is not combined with tensor parallelism yet: use one of them")
+    if c.expert_parallel_size > 1:  # week 24: the experts must split evenly, said before any process starts
+        check_expert_parallel(ModelConfig.from_json(resolve_model_dir(c.model)), c.expert_parallel_size)
     if torchrun_rank() is not None:
         rank, size = torchrun_rank()
         if rank != 0 or size != c.world_size:

@@ -35,6 +35,7 @@ from nanoserve.engine.pipeline import check_pipeline_config
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
+from nanoserve.model.moe import expert_load
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -296,6 +297,11 @@ class Engine:
         """Week 20's bubble, measured: each stage's busy and idle share of the steps since the engine
         started (`PipelineRunner.bubble_stats`), or None with one stage."""
         return self.runner.bubble_stats() if self.config.pipeline_parallel_size > 1 else None
+
+    def expert_load(self) -> dict[int, list[int]] | None:
+        """Week 24: token-expert pairs routed to each expert since the engine started, by MoE layer (None: a
+        dense model); all ranks' (`nanoserve/model/moe.py`, `nanoserve/model/expert_parallel.py`)."""
+        return expert_load(self.model)
 
     def prefix_cache_stats(self) -> dict | None:
         """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when

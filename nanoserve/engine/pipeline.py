@@ -87,8 +87,8 @@ def build_stage_model(c: EngineConfig, world: Group, dtype: torch.dtype, device:
 def rank_name(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
     """How a failure names a rank: 'tensor-parallel rank 1', or under pipeline parallelism its
     stage too, 'pipeline stage 1 (rank 2)'."""
-    if pipeline_parallel_size == 1:
-        return f"tensor-parallel rank {rank}"
+    if pipeline_parallel_size == 1:  # (one stage of one rank each: the ranks of expert parallelism, week 24)
+        return f"{'tensor' if tensor_parallel_size > 1 else 'expert'}-parallel rank {rank}"
     stage, tp_rank = divmod(rank, tensor_parallel_size)
     within = f", tensor-parallel rank {tp_rank}" if tensor_parallel_size > 1 else ""
     return f"pipeline stage {stage}{within} (rank {rank})"

@@ -107,7 +107,15 @@ def count_parameters(cfg: ModelConfig) -> int:
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up and down
     norms = NORMS_PER_LAYER.get(cfg.architecture, 2) * cfg.hidden_size
     final_norm = cfg.hidden_size
-    return embedding + head + cfg.num_layers * (attention + mlp + norms) + final_norm
+    mlps = sum(moe_parameters(cfg) if cfg.is_moe_layer(i) else mlp for i in range(cfg.num_layers))
+    return embedding + head + cfg.num_layers * (attention + norms) + mlps + final_norm
+
+
+def moe_parameters(cfg: ModelConfig) -> int:
+    """Week 24: one MoE layer's router, experts and (Qwen2-MoE) gated shared expert."""
+    experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    shared = 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size
+    return cfg.num_experts * cfg.hidden_size + experts + shared + (cfg.hidden_size if shared else 0)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.model.layers import MLP, RMSNorm
+from nanoserve.kernels.moe import use_moe_kernels
 from nanoserve.model.llama import Llama
 from nanoserve.model.tensor_parallel import ColumnParallelLinear
 
@@ -179,9 +180,11 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.nn.Module) -> torch.Tensor:
 
 
 def use_fused_kernels(model: Llama, on: bool = True) -> None:
-    """Swap the fused kernels into (or, with on=False, out of) every norm and MLP of the model."""
+    """Swap the fused kernels into (or, with on=False, out of) every norm and MLP of the model (week 24:
+    and the grouped expert kernels into every mixture of experts)."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = add_rmsnorm if on else None
         elif type(module) is MLP:  # SiLU's: a family's other activation (Gemma's GELU) keeps its own code
             module.fused = gate_up_silu if on else None
+    use_moe_kernels(model, on)

@@ -20,7 +20,10 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",  # week 24: mixtures of experts
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 FULL, SLIDING = "full_attention", "sliding_attention"  # the kinds of layer, as HF's `layer_types` names them
 
@@ -65,6 +68,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer; () means every layer is FULL
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of its sliding layers
     query_pre_attn_scalar: float | None = None  # Gemma 3: softmax scale is this ** -0.5, not head_dim ** -0.5
+    # Week 24: a mixture of experts in place of the MLP (`_moe_options` reads them; 0 experts: a dense model).
+    num_experts: int = 0  # experts of each MoE layer
+    num_experts_per_tok: int = 0  # the k of top-k: experts each token goes through
+    moe_intermediate_size: int = 0  # the features of one expert's SwiGLU
+    norm_topk_prob: bool = True  # rescale the k chosen probabilities to sum to 1 (Mixtral: yes; Qwen1.5-MoE: no)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token goes through, sigmoid-gated
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size) instead of experts
 
     @property
     def q_size(self) -> int:
@@ -73,6 +83,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Week 24: whether this layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer_idx not in self.dense_layers
 
     def window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full causal attention."""
@@ -224,6 +238,8 @@ def _family_options(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
     if architecture == "LlamaForCausalLM":  # the defaults are Llama's: nothing to read
         _refuse_what_llama_lacks(raw)
         return config
+    if architecture in MOE_ARCHITECTURES:  # week 24
+        return _moe_options(config, raw, architecture)
     # >>> week19: family-options
     options: dict[str, Any] = {"architecture": architecture}
     if architecture == "MistralForCausalLM":
@@ -258,3 +274,41 @@ def _family_options(config: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"activation {options['hidden_act']!r} is not supported ('silu', 'gelu_pytorch_tanh')")
     return replace(config, **options)
     # <<< week19: family-options
+
+
+# ---------------------------------------------------------------------------- week 24: mixtures of experts
+
+
+def _moe_options(config: ModelConfig, raw: dict[str, Any], architecture: str) -> ModelConfig:
+    """Mixtral: Mistral's attention, every MLP a softmax router over `num_local_experts` experts,
+    top-k renormalized. Qwen2-MoE: Qwen2's attention (q/k/v biases), many small experts whose top-k
+    probabilities are kept as they are unless `norm_topk_prob`, a sigmoid-gated shared expert, and
+    dense layers where `mlp_only_layers` or `decoder_sparse_step` say so."""
+    def need(name: str) -> int:
+        if not raw.get(name):
+            raise ConfigError(f"config.json of a {architecture} checkpoint is missing '{name}'")
+        return int(raw[name])
+
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported for experts (they run SwiGLU: 'silu')")
+    options: dict[str, Any] = {"architecture": architecture, "num_experts_per_tok": need("num_experts_per_tok")}
+    if architecture == "MixtralForCausalLM":
+        _refuse_what_llama_lacks(raw)
+        options.update(num_experts=need("num_local_experts"), moe_intermediate_size=config.intermediate_size)
+        if raw.get("sliding_window"):
+            options["sliding_window"] = int(raw["sliding_window"])  # every layer slides, as Mistral's
+    else:
+        step = int(raw.get("decoder_sparse_step") or 1)
+        sparse = [i for i in range(config.num_layers)
+                  if i not in (raw.get("mlp_only_layers") or []) and (i + 1) % step == 0]
+        options.update(num_experts=need("num_experts"), moe_intermediate_size=need("moe_intermediate_size"),
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", False)), attention_bias=bool(raw.get("qkv_bias", True)),
+                       shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                       dense_layers=tuple(i for i in range(config.num_layers) if i not in sparse),
+                       layer_types=_layer_types(raw, config.num_layers))
+        if SLIDING in options["layer_types"]:
+            options["sliding_window"] = int(raw["sliding_window"])
+    if not 0 < options["num_experts_per_tok"] <= options["num_experts"]:
+        raise ConfigError(f"num_experts_per_tok ({options['num_experts_per_tok']}) must be between 1 and the "
+                          f"number of experts ({options['num_experts']})")
+    return replace(config, **options)

@@ -32,13 +32,22 @@ class Group:
         dist.all_reduce(x, group=self.device_group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's x along the last dimension, in rank order."""
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's x (the same shape on every rank) along `dim`, in rank order."""
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> torch.Tensor:
+        """Week 24: rank r sends rows in_splits[r'] of x (in order) to each rank r', and gets
+        out_splits[r'] rows from each; the rows received, in rank order. No splits: equal shares."""
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.device_group)
+        return out
 
 
 class OneShotAllReduce:

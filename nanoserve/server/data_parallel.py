@@ -293,7 +293,8 @@ def serve_data_parallel(args, argv: list[str]) -> int:
     from nanoserve.engine.tokenizer import Tokenizer
     from nanoserve.server.http11 import OpenAIErrorH11Protocol
 
-    n, tp = args.data_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size  # GPUs per replica
+    n = args.data_parallel_size
+    tp = args.tensor_parallel_size * args.pipeline_parallel_size * args.expert_parallel_size  # GPUs per replica
     cuda = (args.device or ("cuda" if cuda_available() else "cpu")).startswith("cuda")
     procs, urls = [], []
     # SIGTERM (docker stop, systemd, kubernetes) must end the replicas too. Its default action kills

@@ -8,7 +8,8 @@ Three kinds of numbers, each gathered where it costs the engine nothing:
   finished request's `RequestMetrics` to `ServerMetrics.observe_request` on the event loop.
 - **per HTTP response**: its endpoint and status, counted by the `Guard` middleware.
 - **the engine's state**: running and waiting sequences, KV blocks, preemptions, prefix-cache
-  counters. Nobody updates these: `EngineCollector` reads them at scrape time.
+  counters (week 24: the tokens routed to each expert). Nobody updates these: `EngineCollector`
+  reads them at scrape time.
 
 The exposition format, the histograms' bookkeeping and the parser the tests use all come from
 `prometheus-client`; the names follow the style users know from vLLM (`nanoserve:` prefix,
@@ -153,6 +154,20 @@ class EngineCollector:
         # <<< week16: engine-metrics
         yield from cpu_tier_metrics(self.engine.stats().get("prefix_cache"))
         yield from kv_transfer_metrics(self.engine.stats().get("kv_transfer"))
+        yield from expert_load_metrics(s.get("expert_load"))
+
+
+def expert_load_metrics(load: dict[int, list[int]] | None):
+    """Week 24, for a mixture of experts: the token-expert pairs each expert of each MoE layer received
+    (the routing's histogram: `sum by (expert)` for the model's, max over mean for the imbalance)."""
+    if load is None:
+        return
+    family = CounterMetricFamily("nanoserve:moe_expert_tokens", "Token-expert pairs routed to each expert, by MoE "
+                                 "layer", labels=["layer", "expert"])
+    for layer, counts in load.items():
+        for expert, count in enumerate(counts):
+            family.add_metric([str(layer), str(expert)], count)
+    yield family
 
 
 def kv_transfer_metrics(t: dict | None):

@@ -1,0 +1,161 @@
+"""Week 24: the router's rules at their edges, and the grouped expert kernels (through Triton's
+interpreter on the CPU, compiled on a GPU) against the per-expert loop: tokens grouped by expert,
+padded to the block size, every block one expert's; then the engine with the kernels swapped in."""
+
+import pytest
+import torch
+
+from nanoserve.model.moe import combine, experts_loop, route
+
+pytest.importorskip("triton", reason="week 24's kernels need the triton package: pip install triton (Linux)")
+from nanoserve.kernels.moe import align_by_expert, fused_moe  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------- the router
+
+
+def test_ties_go_to_the_lower_expert():
+    """A router of zeros ties every expert: each token goes to experts 0..k-1, with equal weights
+    (1/k renormalized; 1/E, the softmax's, without). `torch.topk` leaves the choice unspecified."""
+    weights, ids = route(torch.zeros(5, 8), top_k=2, renormalize=True)
+    assert ids.tolist() == [[0, 1]] * 5 and torch.equal(weights, torch.full((5, 2), 0.5))
+    weights, ids = route(torch.zeros(3, 16), top_k=4, renormalize=False)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3 and torch.allclose(weights, torch.full((3, 4), 1 / 16))
+    _, ids = route(torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0]]), top_k=3, renormalize=True)
+    assert ids.tolist() == [[1, 3, 2]]  # two ties, each to its lower id
+
+
+def test_weights_are_the_softmax_of_the_chosen():
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    probs = logits.softmax(-1)
+    weights, ids = route(logits, 2, renormalize=False)
+    assert torch.equal(ids, probs.topk(2).indices) and torch.allclose(weights, probs.topk(2).values)
+    renormalized, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(renormalized.sum(-1), torch.ones(6)) and torch.allclose(renormalized, weights / weights.sum(-1, True))
+
+
+def swiglu(x, w13, w2):
+    gate, up = (x @ w13.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+
+def test_loop_is_the_weighted_sum_of_each_tokens_experts():
+    """The reference itself, against its definition written out token by token."""
+    g = torch.Generator().manual_seed(1)
+    x, w13, w2 = torch.randn(5, 16, generator=g), torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
+    weights, ids = route(torch.randn(5, 4, generator=g), 2, True)
+    expected = torch.stack([sum(w * swiglu(x[t], w13[e], w2[e]) for w, e in zip(weights[t], ids[t].tolist()))
+                            for t in range(5)])
+    torch.testing.assert_close(experts_loop(x, w13, w2, weights, ids), expected)
+    torch.testing.assert_close(combine(torch.ones(10, 3), weights), torch.ones(5, 3))
+
+
+# ----------------------------------------------------------------------------------- the alignment
+
+
+def test_align_by_expert_by_hand():
+    """Pairs (token·k + slot): expert 0 has 0 and 5, expert 1 has 3, expert 2 has 1, 2, 4; expert 3 none.
+    Blocks of 4: one each for experts 0, 1 and 2; the rest, up to the most padding could take, none."""
+    pairs, block_expert = align_by_expert(torch.tensor([[0, 2], [2, 1], [2, 0]]), num_experts=4, block_m=4)
+    pad = 6
+    assert pairs.tolist() == [0, 5, pad, pad, 3, pad, pad, pad, 1, 2, 4] + [pad] * 9
+    assert block_expert.tolist() == [0, 1, 2, -1, -1]
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 2, 8, 16), (37, 4, 16, 16), (64, 2, 8, 64), (9, 1, 3, 4)])
+def test_every_pair_lands_once_in_a_block_of_its_expert(tokens, k, experts, block_m):
+    ids = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens))
+    pairs, block_expert = align_by_expert(ids, experts, block_m)
+    real = pairs < tokens * k
+    assert sorted(pairs[real].tolist()) == list(range(tokens * k))
+    assert pairs.numel() % block_m == 0 and block_expert.numel() == pairs.numel() // block_m
+    owner = block_expert.repeat_interleave(block_m)
+    assert torch.equal(owner[real], ids.flatten()[pairs[real].long()].int())
+    used = block_expert[block_expert >= 0]
+    assert torch.equal(used, used.sort().values)  # blocks in expert order, then the unused ones
+
+
+# ----------------------------------------------------------------------------------- the kernels
+
+
+def moe_inputs(tokens, hidden, inter, experts, k, seed=0, logits=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+    weights, ids = route(torch.randn(tokens, experts, generator=g) if logits is None else logits, k, True)
+    return [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
+    (1, 64, 32, 8, 2),  # one decode row: two experts busy, six idle
+    (7, 48, 40, 16, 4),  # ragged sizes: every mask at work; many experts, some empty
+    (40, 64, 96, 8, 2),  # more rows than one block for most experts
+    (20, 32, 16, 4, 1),  # top-1
+])
+def test_fused_kernels_equal_the_loop(tokens, hidden, inter, experts, k):
+    x, w13, w2, weights, ids = moe_inputs(tokens, hidden, inter, experts, k)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), experts_loop(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_all_tokens_to_one_expert():
+    """A router that sends every token to expert 5 first and 2 second (18 rows: two blocks of one
+    expert's, the others empty): the kernels, the loop and the two SwiGLUs written out agree."""
+    logits = torch.zeros(18, 8)
+    logits[:, 5], logits[:, 2] = 4.0, 2.0
+    x, w13, w2, weights, ids = moe_inputs(18, 32, 16, 8, 2, logits=logits)
+    assert (ids[:, 0] == 5).all() and (ids[:, 1] == 2).all()
+    expected = weights[:, :1] * swiglu(x, w13[5], w2[5]) + weights[:, 1:] * swiglu(x, w13[2], w2[2])
+    torch.testing.assert_close(experts_loop(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens():
+    x, w13, w2, weights, ids = moe_inputs(0, 32, 16, 4, 2)
+    assert fused_moe(x, w13, w2, weights, ids).shape == (0, 32) == experts_loop(x, w13, w2, weights, ids).shape
+
+
+def test_engine_with_the_kernels_equals_hf(moe_checkpoints, moe_prompts, hf_greedy):
+    """Mixtral through the Triton backend with the fused kernels swapped in (the expert kernels
+    among them), chunked steps mixing prompts and decodes: HF's tokens."""
+    from nanoserve.engine.engine import LLM
+    from nanoserve.kernels.moe import fused_moe as kernel
+    from nanoserve.sampling.params import SamplingParams
+
+    path, hf = moe_checkpoints["mixtral"]
+    llm = LLM(str(path), dtype=torch.float32, device=DEVICE, attention_backend="triton", num_blocks=32, block_size=4,
+              enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=2, fused_kernels=True,
+              cuda_graphs=False)
+    assert all(layer.mlp.kernel is kernel for layer in llm.engine.model.layers)
+    ps = [moe_prompts[2], moe_prompts[0][:17]]
+    outs = [o.token_ids for o in llm.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
+    hf = hf.to(DEVICE)
+    assert outs == [hf_greedy(hf, p, 4) for p in ps]
+    hf.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_fused_kernels_in_bfloat16_on_the_gpu(tokens):
+    """Compiled, in bfloat16, at the block sizes the GPU picks (16 to 64 rows): within bf16's rounding of the loop."""
+    x, w13, w2, weights, ids = moe_inputs(tokens, 512, 384, 8, 2)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    got, expected = fused_moe(x, w13, w2, weights, ids).float(), experts_loop(x, w13, w2, weights, ids).float()
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
+    """`scripts/bench_moe.py --tiny` (the GPU benchmark's smoke test): a table, exit code 0."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "loop/fused" in out and "\n      8      16 " in out
