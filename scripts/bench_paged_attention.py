@@ -12,11 +12,17 @@ Bandwidth = bytes of K, V, Q and O that must cross memory / time, also as a % of
 device-to-device copy bandwidth (read + write). Kernel times are GPU times from CUDA-graph
 replays with the L2 cache flushed before every call (`graph_time_ms`); the "eager" column adds
 the Python launch overhead, as `triton.testing.do_bench` sees it. Writes a JSON file and a plot.
+
+With `--fp8-kv` (issue 33) it also times the same kernel over an FP8 pool (the bf16 K/V quantized
+to e4m3 codes with a float16 scale per token and head, `--kv-cache-dtype fp8`), whose bytes are
+head_dim + 2 per token, head and K or V instead of 2 · head_dim: the "fp8 us" column, its GB/s
+counted in the bytes it reads, and its time against bf16's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -96,6 +102,19 @@ def kv_bytes(batch: int, context: int, itemsize: int) -> int:
     return kv + qo
 
 
+def fp8_pool(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """Issue 33: the pool as e4m3 codes and float16 scales [num_blocks, block_size, KV_HEADS]."""
+    from nanoserve.attention.fp8_cache import quantize_kv
+
+    (k8, ks), (v8, vs) = quantize_kv(k_cache), quantize_kv(v_cache)
+    return k8, v8, ks[..., 0].contiguous(), vs[..., 0].contiguous()
+
+
+def fp8_bytes(batch: int, context: int) -> int:
+    """What a decode step over an FP8 pool must read and write: codes and scales, bf16 q and out."""
+    return 2 * batch * context * KV_HEADS * (HEAD_DIM + 2) + 2 * batch * HEADS * HEAD_DIM * 2
+
+
 def main() -> None:
     from triton.testing import do_bench
 
@@ -107,6 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="try kernel tile/warp/stage settings at batch 64 x 2048")
+    ap.add_argument("--fp8-kv", action="store_true", help="also time the kernel over an FP8 pool (issue 33)")
     args = ap.parse_args()
     dtype = torch.bfloat16
     out_dir = Path(args.out)
@@ -132,7 +152,8 @@ def main() -> None:
 
     rows = []
     header = (f"{'batch':>5} {'ctx':>5} | {'triton us':>9} {'GB/s':>6} {'%copy':>6} {'splits':>6} | "
-              f"{'no-split us':>11} {'eager us':>8} | {'sdpa us':>8} {'%copy':>6} | {'flex us':>8} {'%copy':>6}")
+              f"{'no-split us':>11} {'eager us':>8} | {'sdpa us':>8} {'%copy':>6} | {'flex us':>8} {'%copy':>6}"
+              + (f" | {'fp8 us':>8} {'%copy':>6} {'x bf16':>6}" if args.fp8_kv else ""))
     print(header)
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
@@ -168,21 +189,35 @@ def main() -> None:
                        sdpa_us=ms_sdpa * 1e3, sdpa_pct=100 * gbs(ms_sdpa) / peak,
                        flex_us=None if ms_flex is None else ms_flex * 1e3,
                        flex_pct=None if ms_flex is None else 100 * gbs(ms_flex) / peak)
+            fp8_txt = ""
+            if args.fp8_kv:  # issue 33: the same step over e4m3 codes and their scales
+                k8, v8, ks, vs = fp8_pool(k_cache, v_cache)
+                run_fp8 = functools.partial(decode, q, k8, v8, tables, lens, context, k_scale=ks, v_scale=vs)
+                widened = [(c.float() * s.float()[..., None]).to(dtype) for c, s in ((k8, ks), (v8, vs))]
+                ref8 = torch.nn.functional.scaled_dot_product_attention(
+                    q4, *(contiguous_kv(w, tables, batch, context) for w in widened), enable_gqa=True)[:, :, 0]
+                torch.testing.assert_close(run_fp8(), ref8, atol=2e-2, rtol=2e-2)
+                ms8 = graph_time_ms(run_fp8)
+                gbs8 = fp8_bytes(batch, context) / (ms8 * 1e-3) / 1e9
+                row.update(fp8_us=ms8 * 1e3, fp8_gbs=gbs8, fp8_pct=100 * gbs8 / peak, fp8_speedup=ms / ms8)
+                fp8_txt = f" | {ms8 * 1e3:>8.1f} {row['fp8_pct']:>5.1f}% {ms / ms8:>5.2f}x"
+                del k8, v8, ks, vs, widened
             rows.append(row)
             flex_txt = f"{row['flex_us']:>8.1f} {row['flex_pct']:>5.1f}%" if ms_flex else f"{'-':>8} {'-':>6}"
             print(f"{batch:>5} {context:>5} | {row['triton_us']:>9.1f} {row['triton_gbs']:>6.0f} "
                   f"{row['triton_pct']:>5.1f}% {splits:>6} | {row['nosplit_us']:>11.1f} {row['eager_us']:>8.1f} | "
-                  f"{row['sdpa_us']:>8.1f} {row['sdpa_pct']:>5.1f}% | {flex_txt}", flush=True)
+                  f"{row['sdpa_us']:>8.1f} {row['sdpa_pct']:>5.1f}% | {flex_txt}{fp8_txt}", flush=True)
             del q, k_cache, v_cache, k, v
             torch.cuda.empty_cache()
 
     result = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__,
                   python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
                   copy_gbs=peak, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  block_size=BLOCK_SIZE, dtype="bfloat16", rows=rows)
-    (out_dir / "paged_attention.json").write_text(json.dumps(result, indent=2))
-    plot(result, out_dir / "paged_attention.png")
-    print(f"wrote {out_dir / 'paged_attention.json'} and {out_dir / 'paged_attention.png'}")
+                  block_size=BLOCK_SIZE, dtype="bfloat16", fp8_kv=args.fp8_kv, rows=rows)
+    name = "paged_attention_fp8" if args.fp8_kv else "paged_attention"
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / f'{name}.json'} and {out_dir / f'{name}.png'}")
 
 
 def decode(q, k_cache, v_cache, tables, lens, context, **launch):

@@ -3,7 +3,8 @@ and the paged pool (`PagedKVCache`). Which name lives in which slot, and which c
 is decided by the scheduler (nanoserve/scheduler/cpu_tier.py, whose docstring tells the story);
 this module only moves bytes.
 
-Layout: slots [num_slots, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], slot-major,
+Layout: slots [num_slots, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], slot-major (an
+FP8 pool's blocks are bytes, head_dim + 2 a row: the codes and their scale; `cache.block_shape`),
 so that one block of every layer is one contiguous run of host memory and its copy is a single
 DMA transfer (a layer-major layout, like the GPU pool's, would cut it into 2 x num_layers pieces).
 On the GPU side a step's blocks are gathered into (or scattered from) one contiguous staging
@@ -38,13 +39,11 @@ class CPUKVPool:
     """
 
     def __init__(self, cache: PagedKVCache, num_slots: int):
-        layers, _, block_size, heads, head_dim = cache.k.shape
         self.device = cache.k.device
         pinned = self.device.type == "cuda"  # page-locked: the GPU's DMA engines copy it without the CPU
         # (Never read before an offload has written it, so not zeroed. PyTorch's pinned allocator
         # rounds a request up to a power of two of bytes: size --cpu-offload-gb with that in mind.)
-        self.slots = torch.empty((num_slots, layers, 2, block_size, heads, head_dim), dtype=cache.k.dtype,
-                                 pin_memory=pinned)
+        self.slots = torch.empty((num_slots, *cache.block_shape), dtype=cache.block_dtype, pin_memory=pinned)
         self.stream = torch.cuda.Stream(self.device) if pinned else None
         self.num_slots = num_slots
 

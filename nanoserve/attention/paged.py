@@ -35,7 +35,14 @@ class PagedKVCache:
     token's K (or V) for one layer is one contiguous row of `num_kv_heads * head_dim` values, and
     writing a new token is a single row store. Viewed flat, a layer's pool is [num_slots,
     num_kv_heads, head_dim] with slot = block * block_size + offset.
+
+    `dtype` is the dtype K/V are written and read in (the model's); this pool also stores them in
+    it. Issue 33's `Fp8PagedKVCache` (nanoserve/attention/fp8_cache.py) stores float8 codes with
+    a scale per token and head instead, behind the same methods.
     """
+
+    kv_cache_dtype = "auto"  # --kv-cache-dtype: "auto" stores K/V in the model's dtype
+    k_scale = v_scale = None  # issue 33: an FP8 pool's scales, [num_layers, num_blocks, block_size, num_kv_heads]
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -43,6 +50,23 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the whole pool takes (scales included, for a pool that has them)."""
+        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block as `read_blocks` returns it: [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]."""
+        layers, _, block_size, heads, head_dim = self.k.shape
+        return (layers, 2, block_size, heads, head_dim)
+
+    @property
+    def block_dtype(self) -> torch.dtype:
+        """The dtype of what `read_blocks` returns (and `write_blocks` takes)."""
+        return self.k.dtype
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -126,9 +150,10 @@ class PagedContext:
         self.cache, self.meta = cache, meta
         self.rope_write_kv = None
         if fused:
-            from nanoserve.kernels.fused import rope_write_kv
+            from nanoserve.kernels.fused import rope_write_kv, rope_write_kv_fp8
 
-            self.rope_write_kv = rope_write_kv
+            # issue 33: into an FP8 pool, the kernel that also quantizes and writes the scales
+            self.rope_write_kv = rope_write_kv if cache.k_scale is None else rope_write_kv_fp8
         self._host_lists: tuple[list[int], list[int]] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -140,8 +165,10 @@ class PagedContext:
               sin: torch.Tensor) -> torch.Tensor:
         """Rotate q and k, store k and v at the step's slots; returns the rotated q."""
         if self.rope_write_kv is not None:
-            return self.rope_write_kv(q, k, v, cos, sin, self.cache.k[layer_idx], self.cache.v[layer_idx],
-                                      self.meta.slot_mapping)
+            c = self.cache
+            scales = () if c.k_scale is None else (c.k_scale[layer_idx], c.v_scale[layer_idx])  # issue 33
+            return self.rope_write_kv(q, k, v, cos, sin, c.k[layer_idx], c.v[layer_idx], self.meta.slot_mapping,
+                                      *scales)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         return q

@@ -35,6 +35,18 @@ import torch
 # ------------------------------------------------------------------------------------ helpers
 
 
+def kv_pool(engine) -> dict:
+    """The engine's KV pool (on the driver's rank): its format (issue 33's `--kv-cache-dtype`), its blocks
+    (with the CUDA graphs' scratch block), their tokens and bytes each; printed in one line too."""
+    cache = engine.runner.cache
+    pool = dict(kv_cache_dtype=cache.kv_cache_dtype, kv_blocks=cache.num_blocks, kv_block_tokens=cache.block_size,
+                kv_block_bytes=cache.nbytes // cache.num_blocks)
+    print(f"KV pool: {pool['kv_blocks']:,} blocks of {pool['kv_block_tokens']} tokens "
+          f"({pool['kv_blocks'] * pool['kv_block_tokens']:,} tokens), --kv-cache-dtype {pool['kv_cache_dtype']}, "
+          f"{pool['kv_block_bytes']:,} bytes a block")
+    return pool
+
+
 def copy_bandwidth(device: str, nbytes: int = 2**30) -> float:
     """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     if device.startswith("cuda"):

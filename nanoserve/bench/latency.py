@@ -15,6 +15,7 @@ from nanoserve.bench.common import (
     copy_bandwidth,
     free_gpu,
     hf_model,
+    kv_pool,
     print_table,
     save_and_plot,
     sync_device,
@@ -93,6 +94,7 @@ def bench_latency(args) -> dict:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab_size_of(model_dir)) for _ in range(args.prompt_len)]
     engine = Engine(replace(EngineConfig.from_args(args), model=model_dir))
+    pool = kv_pool(engine)  # issue 33: --kv-cache-dtype fp8 halves the K/V a step reads at long prompts
     device = str(engine.runner.device)
     dtype = engine.model.embed_tokens.weight.dtype
     bandwidth = copy_bandwidth(device)
@@ -150,7 +152,7 @@ def bench_latency(args) -> dict:
                  ("pct_roofline", "% of roofline", ".1f")])
     result = dict(model=str(args.model), prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=str(dtype),
                   weight_bytes=weights, copy_gbs=bandwidth / 1e9, roofline_tok_s=roofline,
-                  step_breakdown_ms=breakdown, graph_replay_ms=floor, runs_tok_s=speeds, rows=rows)
+                  step_breakdown_ms=breakdown, graph_replay_ms=floor, runs_tok_s=speeds, rows=rows, **pool)
 
     def draw(ax):
         ax.barh([r["engine"] for r in rows], [r["tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])

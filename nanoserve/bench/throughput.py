@@ -12,6 +12,7 @@ from nanoserve.bench.common import (
     free_gpu,
     hf_model,
     print_table,
+    kv_pool,
     save_and_plot,
     sync_device,
     throughput_workload,
@@ -112,7 +113,7 @@ def bench_throughput(args) -> dict:
         rows[0]["pipeline_bubble"] = bubble
     if load is not None:
         rows[0]["expert_load"] = load
-    kv_blocks = engine.runner.cache.num_blocks
+    pool = kv_pool(engine)  # issue 33: what --kv-cache-dtype fp8 changes
     llm.close()  # the other ranks stop now, not at some later garbage collection
     del llm, engine
     free_gpu()
@@ -134,7 +135,7 @@ def bench_throughput(args) -> dict:
     result = dict(model=str(args.model), num_requests=args.num_requests, prompt_len=args.prompt_range,
                   output_len=args.output_range, prompt_tokens=sum(map(len, prompts)), output_tokens=out_tokens,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_blocks=kv_blocks, dtype=str(dtype), time_split=split, rows=rows)
+                  **pool, dtype=str(dtype), time_split=split, rows=rows)
 
     def draw(ax):
         ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color=["tab:blue", "tab:gray"][: len(rows)])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention.fp8_cache import KV_CACHE_DTYPES
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
@@ -37,6 +38,18 @@ def check_fp8(device: str, dtype: torch.dtype | None) -> None:
         raise ValueError(f"--quantization fp8 returns bfloat16 from its products: run with --dtype bfloat16, not {dtype}")
 
 
+def check_fp8_kv(device: str) -> None:
+    """Refuse --kv-cache-dtype fp8 where it cannot run, in one line each: the Triton kernels write and
+    read e4m3, which needs a GPU of compute capability 8.9 or more."""
+    if not device.startswith("cuda"):
+        raise ValueError("--kv-cache-dtype fp8 is for the Triton attention kernel of a GPU with FP8 (compute "
+                         "capability 8.9 or more: Ada, Hopper); on the CPU keep --kv-cache-dtype auto")
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if (major, minor) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or more); this GPU is "
+                         f"{major}.{minor}: keep --kv-cache-dtype auto")
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine is built from. The command line, the benchmarks and the tests all
@@ -48,6 +61,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # KV pool size; default: from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the pool; default: measured on a GPU (below), 256 MiB on the CPU
+    kv_cache_dtype: str = "auto"  # issue 33: "auto" stores K/V in the model's dtype; "fp8" as float8 e4m3 codes
+    # with a float16 scale per token and KV head (about half the bytes: nanoserve/attention/fp8_cache.py; GPU only)
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int | None = None  # tokens through the model per step; default: 8192, or 2048 with
     # chunked prefill (week 15: measured on an H100, docs/benchmarks.md)
@@ -128,6 +143,10 @@ class EngineConfig:
                              f"{self.quantization or 'unquantized weights'} (fp8 scales rows; gguf keeps the file's 32)")
         if self.quantization == "fp8":
             check_fp8(self.device or default_device(), self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8":
+            check_fp8_kv(self.device or default_device())
         if self.quantization is not None and self.world_size > 1:
             raise ValueError("--quantization runs on one GPU for now: tensor and pipeline parallelism shard "
                              "unquantized layers")
@@ -289,6 +308,10 @@ def add_quantization_arguments(p) -> None:
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="with --quantization int8|int4: inputs that share one scale and offset (default: 128, or "
                         "the largest of 64 and 32 that divides every projection's inputs)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="how the KV cache stores K and V: auto, in the model's dtype; fp8, as float8 e4m3 codes with a "
+                        "float16 scale per token and KV head, about half the bytes a block (GPU of compute capability "
+                        "8.9 or more; default: %(default)s)")
 
 
 def add_lora_arguments(p) -> None:

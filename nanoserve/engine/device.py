@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.attention.backend import select_backend
 from nanoserve.attention.cpu_pool import CPUKVPool
-from nanoserve.attention.paged import PagedKVCache
+from nanoserve.attention.fp8_cache import kv_bytes_per_block
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.pipeline import build_stage_model
@@ -86,7 +86,7 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
                        verify_batch=c.speculative_max_batch,
                        mixed_tokens=c.max_num_batched_tokens if c.enable_chunked_prefill else 0,
-                       fused_kernels=fused)
+                       fused_kernels=fused, kv_cache_dtype=c.kv_cache_dtype)
     if c.lora:  # week 23: LoRA layers swapped in for the model's linear layers, their slots in a pool
         runner_args["lora"] = AdapterPool(*enable_lora(model, c.max_loras, c.max_lora_rank))
     runner_class = PipelineRunner if pipeline else ModelRunner
@@ -123,8 +123,7 @@ def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=Non
     fewest over the ranks of `group` (the scheduler's slots must exist on every rank); 0: no tier."""
     if not c.cpu_offload_gb:
         return 0
-    cfg = model.config
-    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_block = pool_bytes_per_block(c, model, dtype)
     slots = CPUKVPool.num_slots_for(int(c.cpu_offload_gb * 2**30), per_block)
     if slots < 1:
         raise ValueError(f"--cpu-offload-gb {c.cpu_offload_gb} holds no KV block ({per_block} bytes each): "
@@ -167,13 +166,19 @@ def one_shot_all_reduce(group, dtype: torch.dtype, device: str) -> OneShotAllRed
     return one_shot if min_over_ranks(group, int(one_shot is not None)) else None
 
 
+def pool_bytes_per_block(c: EngineConfig, model: Llama, dtype: torch.dtype) -> int:
+    """One KV block of this rank's pool (its layers, its heads), in bytes: in `dtype`, or issue 33's
+    e4m3 codes and scales with `kv_cache_dtype` fp8 (about half: nanoserve/attention/fp8_cache.py)."""
+    cfg = model.config
+    return kv_bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, c.kv_cache_dtype)
+
+
 def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_args: dict,
                    runner_class: type[ModelRunner] = ModelRunner) -> tuple[int, dict | None]:
     """How many KV blocks fit: `kv_cache_memory` if given; on the CPU 256 MiB; on a GPU, what is
     left of `gpu_memory_utilization` of its memory once the weights and the measured peak of the
     largest step (and the CUDA graphs) are accounted for. Also returns those measured figures."""
-    cfg = model.config
-    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_block = pool_bytes_per_block(c, model, dtype)
     if c.kv_cache_memory is not None:
         return max(1, c.kv_cache_memory // per_block), None
     if not c.device.startswith("cuda"):

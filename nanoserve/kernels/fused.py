@@ -8,7 +8,8 @@ a couple of microseconds however little it computes. Fused, a layer becomes:
 
     add_rmsnorm     residual += x;  h = rmsnorm(residual)          (1 kernel instead of 9)
     qkv_proj        matrix product
-    rope_write_kv   rotate q and k, store k and v in the paged pool (1 instead of 12)
+    rope_write_kv   rotate q and k, store k and v in the paged pool (1 instead of 12; issue 33's
+                    FP8 pool has a twin, rope_write_kv_fp8, that also quantizes them)
     attention       the week-6 paged-attention kernel (+ its merge)
     o_proj          matrix product
     add_rmsnorm
@@ -33,6 +34,7 @@ import triton.language as tl
 from nanoserve.model.layers import MLP, RMSNorm
 from nanoserve.kernels.moe import use_moe_kernels
 from nanoserve.model.llama import Llama
+from nanoserve.model.quantized import FP8_MAX, KV_SCALE_FLOOR
 from nanoserve.model.tensor_parallel import ColumnParallelLinear
 
 
@@ -106,6 +108,95 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     q_out = q.new_empty(T, num_heads, head_dim)  # contiguous
     _rope_write_kv_kernel[(T, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_out, k_pool, v_pool, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+    )
+    return q_out
+
+
+# Issue 33's FP8 KV format (nanoserve/attention/fp8_cache.py), as constants a kernel can read
+E4M3_MAX = tl.constexpr(FP8_MAX)
+INV_E4M3_MAX = tl.constexpr(1 / FP8_MAX)  # (a product, as `quantize_kv` takes it, for the same bits)
+SCALE_FLOOR = tl.constexpr(KV_SCALE_FLOOR)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 x, within ±448 -> the nearest e4m3 number (ties to even), still in float32, so that the
+    conversion that follows is exact. (Rounding here rather than in the conversion: Triton 3.9's
+    interpreter drops the carry when float32 -> e4m3 rounds up into the next power of two, 124 -> 64.)
+    e4m3's step at |x| in [2^e, 2^(e+1)) is 2^(e-3), and 2^-9 below 2^-6 (subnormals): adding and
+    subtracting 1.5 · 2^23 steps rounds |x| to a multiple of the step, in float32's own rounding."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # the binade of |x| (float32's exponent field)
+    magic = ((e + 146) << 23).to(tl.float32, bitcast=True) * 3.0  # 3 · 2^(e + 19): its last bit is 2^(e - 3)
+    r = (tl.abs(x) + magic) - magic
+    return tl.where(bits < 0, -r, r)  # the sign of x, -0.0 included
+
+
+@triton.jit
+def _store_e4m3_row(x1, x2, Codes, Scales, row, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Issue 33: one token-head row, given as its two halves (float32), into an FP8 pool: its float16
+    scale (the row's largest magnitude over 448, at least 2^-14) at Scales[row], its e4m3 codes,
+    chosen against the rounded scale, at row `row` of Codes. As `quantize_kv`, in registers."""
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0))
+    scale = tl.maximum(amax * INV_E4M3_MAX, SCALE_FLOOR).to(tl.float16)
+    tl.store(Scales + row, scale)
+    s = scale.to(tl.float32)
+    d = tl.arange(0, HALF)
+    codes_ty = Codes.dtype.element_ty
+    c1 = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x1, s), -E4M3_MAX), E4M3_MAX))
+    c2 = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x2, s), -E4M3_MAX), E4M3_MAX))
+    tl.store(Codes + row * HEAD_DIM + d, c1.to(codes_ty))
+    tl.store(Codes + row * HEAD_DIM + HALF + d, c2.to(codes_ty))
+
+
+@triton.jit
+def _rope_write_kv_fp8_kernel(Qin, Kin, Vin, Cos, Sin, Qout, K, V, Slots, KScale, VScale,
+                              stride_qin, stride_qin_head, stride_kin, stride_kin_head, stride_vin,
+                              stride_vin_head, stride_cos, NUM_Q_HEADS: tl.constexpr,
+                              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    # Issue 33: `_rope_write_kv_kernel` for an FP8 pool. The rotation is the same; a KV head's rotated
+    # key and its value are quantized in registers (`_store_e4m3_row`) instead of stored as they are.
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0 .. NUM_Q_HEADS - 1: a query head; then the KV heads
+    d = tl.arange(0, HALF)
+    c = tl.load(Cos + t * stride_cos + d).to(tl.float32)
+    s = tl.load(Sin + t * stride_cos + d).to(tl.float32)
+    dt = Qout.dtype.element_ty
+    if head < NUM_Q_HEADS:
+        src = Qin + t * stride_qin + head * stride_qin_head
+    else:
+        src = Kin + t * stride_kin + (head - NUM_Q_HEADS) * stride_kin_head
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    r1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)  # rounded as the reference
+    r2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    if head < NUM_Q_HEADS:
+        dst = Qout + (t * NUM_Q_HEADS + head) * HEAD_DIM
+        tl.store(dst + d, r1)
+        tl.store(dst + HALF + d, r2)
+    else:
+        kv_head = head - NUM_Q_HEADS
+        row = tl.load(Slots + t).to(tl.int64) * NUM_KV_HEADS + kv_head  # int64: rows * HEAD_DIM can pass 2**31
+        _store_e4m3_row(r1.to(tl.float32), r2.to(tl.float32), K, KScale, row, HEAD_DIM, HALF)
+        v_src = Vin + t * stride_vin + kv_head * stride_vin_head
+        v1 = tl.load(v_src + d).to(tl.float32)
+        v2 = tl.load(v_src + HALF + d).to(tl.float32)
+        _store_e4m3_row(v1, v2, V, VScale, row, HEAD_DIM, HALF)
+
+
+def rope_write_kv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor) -> torch.Tensor:
+    """Issue 33: `rope_write_kv` into an FP8 pool: k_pool, v_pool [num_blocks, block_size, Hkv, D]
+    float8 e4m3, k_scale, v_scale [num_blocks, block_size, Hkv] float16, all contiguous. Returns
+    the rotated q; stores the codes and scales `Fp8PagedKVCache.write` would."""
+    T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = q.new_empty(T, num_heads, head_dim)
+    _rope_write_kv_fp8_kernel[(T, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, q_out, k_pool, v_pool, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
     )

@@ -31,6 +31,15 @@ of the tile, are never loaded. With context splits, the splits share this visibl
 [window start, kv_end), not [0, kv_end). A decode query then reads about W keys, whatever the
 context's length. The window is a runtime argument behind a constexpr switch, SLIDING: one compiled
 variant for the full-attention layers and one for the sliding ones, whatever the window's value.
+
+Issue 33, an FP8 KV cache (nanoserve/attention/fp8_cache.py): with FP8_KV the pool holds float8 e4m3
+codes, and KScale, VScale a float16 scale per token and KV head (K ≈ codes · scale). The kernel loads
+the codes (one byte a value: the point) and widens them to the queries' dtype, which is exact (an
+e4m3 number is a bf16, fp16 and fp32 number too). It does not multiply each value by its scale:
+a token's scale is the same for its whole row, so it can be applied once per column of the tile,
+    scores[i, j] = (q_i · codes_j) · k_scale_j      out_i = Σ_j (p_ij · v_scale_j) · vcodes_j
+which is BLOCK_N multiplies instead of BLOCK_N × HEAD_DIM, and keeps the widened codes exact for
+the tensor cores. The online softmax's running sum uses p before the V scale.
 """
 
 from __future__ import annotations
@@ -52,7 +61,9 @@ MAX_SPLITS = 64
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _paged_attention_kernel(
     Q, K, V, BlockTables, QueryStartLoc, ContextLens, Out, PartialAcc, PartialM, PartialL,
+    KScale, VScale,  # issue 33: with FP8_KV, [num_blocks, block_size, num_kv_heads] float16; else unused
     stride_q_tok, stride_q_head, stride_k_block, stride_k_slot, stride_k_head,  # V is laid out as K
+    stride_s_block, stride_s_slot,  # issue 33: the scales' (VScale is laid out as KScale; heads contiguous)
     stride_bt_seq, stride_o_tok, stride_o_head,
     scale_log2,  # softmax scale * log2(e): we exponentiate with exp2
     num_seqs, num_splits,  # num_splits: programs per tile of queries, each taking one slice of the context
@@ -67,6 +78,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write partials for the merge kernel instead of the output
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tensor cores otherwise
     SLIDING: tl.constexpr,  # week 19: a sliding-window layer (reads `window`)
+    FP8_KV: tl.constexpr = False,  # issue 33: K and V are e4m3 codes with a scale per token and head
 ):
     # >>> week06: paged-attention-kernel
     tile = tl.program_id(0)
@@ -132,7 +144,15 @@ def _paged_attention_kernel(
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + block[:, None] * stride_k_block + offset[:, None] * stride_k_slot
                     + kv_head * stride_k_head + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8_KV:  # issue 33: codes widened exactly; each token's scale applied to its column below
+            at = block * stride_s_block + offset * stride_s_slot + kv_head
+            k_scale = tl.load(KScale + at, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_N]
+            v_scale = tl.load(VScale + at, mask=valid, other=0.0).to(tl.float32)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
+        if FP8_KV:
+            s = s * k_scale[None, :]
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
         if SLIDING:  # week 19: and inside the row's window
             visible = visible & (pos[None, :] > win_lo[:, None])
@@ -142,6 +162,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)  # rescales what was accumulated under the old max
         l = l * alpha + tl.sum(p, axis=1)
+        if FP8_KV:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -220,10 +242,15 @@ def paged_attention(
     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,  # tuning
     window: int | None = None,  # week 19: a sliding window of this many keys (itself included); None: all
     scale: float | None = None,  # week 19: the softmax scale; None: head_dim ** -0.5
+    k_scale: torch.Tensor | None = None,  # issue 33: with e4m3 pools, [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor | None = None,  # float16 each (nanoserve/attention/fp8_cache.py)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V -> [T, num_heads, head_dim]."""
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be at least 1 key, got {window}")
+    fp8 = k_scale is not None
+    if fp8 and not (v_scale is not None and k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1):
+        raise ValueError("an FP8 pool needs k_scale and v_scale, laid out alike with the heads contiguous")
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -244,13 +271,15 @@ def paged_attention(
         partial_m, partial_l = torch.empty(2, num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, partial_acc, partial_m, partial_l,
+        k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         block_tables.stride(0), out.stride(0), out.stride(1),
         (1.0 / math.sqrt(head_dim) if scale is None else scale) * 1.4426950408889634, num_seqs, num_splits,
         0 if window is None else window,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DECODE=decode, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SLIDING=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SLIDING=window is not None, FP8_KV=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -261,20 +290,22 @@ def paged_attention(
 
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context: int,
-            windows: Sequence[int | None] = (None,)) -> None:
+            windows: Sequence[int | None] = (None,), dtype: torch.dtype | None = None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Compile the kernel's variants before the first request needs them: decode and new tokens
     over a past (a prompt, a chunk), each with and without context splits; for each of the model's
-    layer `windows` (None: full attention; any int compiles the one sliding variant)."""
+    layer `windows` (None: full attention; any int compiles the one sliding variant). `dtype`: the
+    queries' (default: the pool's); issue 33: an FP8 pool's scales."""
     device, block_size = k_cache.device, k_cache.shape[1]
     sliding = sorted({w for w in windows if w is not None})
     variants = ([None] if None in windows else []) + sliding[:1]  # one sliding variant serves every window
     context = min(max_context, k_cache.shape[0] * block_size, 1024)
     blocks = torch.arange(triton.cdiv(context, block_size), dtype=torch.int32, device=device)[None]
     for new in (1, 16):
-        q = torch.zeros(new, num_heads, k_cache.shape[-1], dtype=k_cache.dtype, device=device)
+        q = torch.zeros(new, num_heads, k_cache.shape[-1], dtype=dtype or k_cache.dtype, device=device)
         starts = torch.tensor([0, new], dtype=torch.int32, device=device)
         lens = torch.tensor([context], dtype=torch.int32, device=device)
         for splits in (1, 2):
             for window in variants:
                 paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits,
-                                window=window)
+                                window=window, k_scale=k_scale, v_scale=v_scale)

@@ -127,6 +127,7 @@ class QuantizedLinear(nn.Module):
 
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3 number
+KV_SCALE_FLOOR = 2.0**-14  # issue 33's FP8 KV cache: no float16 scale below its smallest normal number
 
 
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

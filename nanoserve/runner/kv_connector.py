@@ -160,7 +160,9 @@ class KVConnector:
     def layout(self) -> str:
         """What a block is here, in words: both instances' must be the same."""
         layers, _, block_size, heads, head_dim = self.cache.k.shape
-        return f"{layers} layers x {block_size} tokens x {heads} KV heads x {head_dim} dims of {self.cache.k.dtype}"
+        scales = "" if self.cache.k_scale is None else " with a float16 scale per token and head"  # issue 33
+        return (f"{layers} layers x {block_size} tokens x {heads} KV heads x {head_dim} dims of {self.cache.k.dtype}"
+                + scales)
 
     def check_layout(self) -> None:
         """Refuse a peer whose blocks are not shaped as ours (another model, --block-size or --dtype)."""
@@ -169,7 +171,7 @@ class KVConnector:
         theirs = self.keys.get(f"layout/{peer}").decode()
         if theirs != self.layout():
             raise LayoutMismatch(f"the {peer} instance's KV blocks are {theirs}, this one's {self.layout()}: "
-                                 "start both with the same model, --block-size and --dtype")
+                                 "start both with the same model, --block-size, --dtype and --kv-cache-dtype")
 
     # -- the prefill side -------------------------------------------------------------------
 
@@ -294,16 +296,15 @@ class KVConnector:
             found, numel = header.tolist()
             if pull.blocks is None:  # cancelled before it was received: take it off the wire, drop it
                 if found == FOUND:
-                    self.wait(self.group.recv([torch.empty(numel, dtype=self.cache.k.dtype,
+                    self.wait(self.group.recv([torch.empty(numel, dtype=self.cache.block_dtype,
                                                            device=self.staging_device())], PREFILL_RANK, k))
                 k += 1
                 continue
-            layers, _, block_size, heads, head_dim = self.cache.k.shape
-            shape = (len(pull.blocks), layers, 2, block_size, heads, head_dim)
+            shape = (len(pull.blocks), *self.cache.block_shape)  # (issue 33: an FP8 pool's blocks are bytes)
             if found == MISSING:
                 pull.error = "the prefill instance holds no KV under this id (expired, or never prefilled)"
             else:
-                staged = torch.empty(numel, dtype=self.cache.k.dtype, device=self.staging_device())
+                staged = torch.empty(numel, dtype=self.cache.block_dtype, device=self.staging_device())
                 self.wait(self.group.recv([staged], PREFILL_RANK, k))
                 if numel != torch.Size(shape).numel():
                     pull.error = (f"{numel} values arrived for {len(pull.blocks)} blocks: the two instances' "

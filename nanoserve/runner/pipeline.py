@@ -211,7 +211,8 @@ class PipelineRunner(ModelRunner):
         self.micro_batches = micro_batches or self.stage.num_stages  # default: P (the module's docstring)
         self.cpu_group = cpu_group  # gloo: each stage's busy time travels to the driver on it
         self.clock = StageClock(self.device)
-        self.dtype = self.cache.k.dtype
+        self.dtype = self.cache.dtype  # the model's (issue 33: an FP8 pool stores another)
+        self.like = torch.empty(0, dtype=self.dtype, device=self.device)  # what the stages send: hidden states
         self.reset_bubble_stats()
 
     def reset_bubble_stats(self) -> None:
@@ -257,10 +258,10 @@ class PipelineRunner(ModelRunner):
             upcoming = mine[t + 1] if t + 1 < len(mine) else None
             if not st.is_first and upcoming is not None:  # what this stage runs in the next slot
                 shape = (len(parts[upcoming].step.input_ids), self.model.config.hidden_size)
-                inbox[upcoming] = boundary.receive(shape, self.cache.k, st.rank_of(st.index - 1))
+                inbox[upcoming] = boundary.receive(shape, self.like, st.rank_of(st.index - 1))
             if st.is_first and last[t] is not None and parts[last[t]].rows:  # the last stage just finished it
                 shape = (len(parts[last[t]].rows), self.model.config.hidden_size)
-                returned.append(boundary.receive(shape, self.cache.k, st.rank_of(st.num_stages - 1)))
+                returned.append(boundary.receive(shape, self.like, st.rank_of(st.num_stages - 1)))
             sends += boundary.post()
         for work, _ in sends:  # (the tensors stay referenced until their sends are done)
             work.wait()
@@ -286,7 +287,7 @@ class PipelineRunner(ModelRunner):
         and the logits of the sampled rows, in `step.sample_rows`' order."""
         wanted = [p.start + r for p in parts for r in p.rows]  # the step's rows, in the order they came back
         at = {row: k for k, row in enumerate(wanted)}
-        stream = torch.cat(returned) if returned else self.cache.k.new_empty(0, self.model.config.hidden_size)
+        stream = torch.cat(returned) if returned else self.like.new_empty(0, self.model.config.hidden_size)
         hidden = final_hidden(self.model, stream)  # [len(wanted), hidden]
         self.keep_prompt_logprobs([(at[r[0]], *r[1:]) for r in prompt_rows], hidden)
         rows = torch.tensor([at[r] for r in step.sample_rows], dtype=torch.long, device=self.device)
@@ -340,7 +341,7 @@ class PipelineRunner(ModelRunner):
         of zeros). Nothing crosses a link: every stage measures its own peak."""
         input_ids, positions, ctx = self.prepare(step)
         inputs = input_ids if self.stage.is_first else \
-            self.cache.k.new_zeros(len(step.input_ids), self.model.config.hidden_size)
+            self.like.new_zeros(len(step.input_ids), self.model.config.hidden_size)
         stream = stage_forward(self.model, inputs, positions, ctx)
         if self.stage.is_first:
             rows = torch.tensor(step.sample_rows, device=self.device)

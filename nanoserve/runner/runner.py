@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from nanoserve.attention.cpu_pool import CPUKVPool
-from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext, PagedKVCache
+from nanoserve.attention.fp8_cache import kv_cache_class
+from nanoserve.attention.paged import PagedAttentionMetadata, PagedContext
 from nanoserve.model.llama import Llama
 from nanoserve.model.lora import lora_rows
 from nanoserve.runner.cuda_graphs import feed_last_tokens
@@ -33,7 +34,7 @@ class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, attention_backend: str = "torch",
                  cuda_graphs: bool = False, max_model_len: int = 2048, max_batch: int = 256,
                  fused_kernels: bool = False, verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0,
-                 cpu_blocks: int = 0, lora: AdapterPool | None = None):
+                 cpu_blocks: int = 0, lora: AdapterPool | None = None, kv_cache_dtype: str = "auto"):
         self.model = model
         self.lora = lora  # week 23: the adapters, when the model has LoRA layers (`enable_lora`)
         self.device = model.embed_tokens.weight.device
@@ -43,8 +44,10 @@ class ModelRunner:
         # Week 12: CUDA graphs need one block beyond the pool the scheduler hands out: the
         # padding rows of a padded batch write their K/V there.
         self.scratch_block = num_blocks if cuda_graphs else None
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        # Issue 33: `kv_cache_dtype` "fp8" stores the pool as e4m3 codes and scales (Fp8PagedKVCache)
+        self.cache = kv_cache_class(kv_cache_dtype)(cfg.num_layers, num_blocks + int(cuda_graphs), block_size,
+                                                    cfg.num_kv_heads, cfg.head_dim,
+                                                    dtype=model.embed_tokens.weight.dtype, device=self.device)
         self.cpu_pool = CPUKVPool(self.cache, cpu_blocks) if cpu_blocks else None  # the CPU tier (issue 35)
         self.context_class = PagedContext
         # Week 12's fused kernels (behind the norms and MLPs, and in the K/V write) need the Triton backend.
@@ -62,7 +65,10 @@ class ModelRunner:
                 use_lora_kernels(lora.state)
             if self.device.type == "cuda":  # compile the kernel's variants now, not mid-serving
                 windows = {cfg.window(i) for i in range(cfg.num_layers)}  # week 19: sliding layers' variant too
-                warm_up(self.cache.k[0], self.cache.v[0], cfg.num_heads, max_model_len, windows=sorted(windows, key=str))
+                c = self.cache
+                warm_up(c.k[0], c.v[0], cfg.num_heads, max_model_len, windows=sorted(windows, key=str), dtype=c.dtype,
+                        k_scale=None if c.k_scale is None else c.k_scale[0],
+                        v_scale=None if c.v_scale is None else c.v_scale[0])
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
             from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
@@ -87,7 +93,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_reserved()
         runner = cls(model, num_blocks, block_size, max_model_len=max_model_len, max_batch=max_batch, **runner_args)
-        pool = 2 * runner.cache.k.nbytes
+        pool = runner.cache.nbytes
         rows = min(tokens, max_batch)
         step = StepInput(input_ids=[0] * tokens, positions=list(range(tokens)), slot_mapping=list(range(tokens)),
                          query_start_loc=[0, tokens], context_lens=[tokens], block_tables=[list(range(num_blocks))],

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ATTENTION, MLP, hf_greedy, make_adapter
+from lora_helpers import ATTENTION, MLP, hf_greedy, make_adapter
 from nanoserve.engine.engine import LLM
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.lora import AdapterError, read_adapter

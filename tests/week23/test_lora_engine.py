@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import hf_greedy
+from lora_helpers import hf_greedy
 from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
 

@@ -4,7 +4,7 @@ cache, which never shares a block across adapters."""
 
 import pytest
 
-from conftest import hf_greedy
+from lora_helpers import hf_greedy
 from nanoserve.engine.engine import LLM
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import Llama

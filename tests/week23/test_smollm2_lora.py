@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import ATTENTION, MLP, hf_greedy, make_adapter
+from lora_helpers import ATTENTION, MLP, hf_greedy, make_adapter
 from nanoserve.engine.engine import LLM
 from nanoserve.model.gguf import SMOLLM2_INSTALL, smollm2_path
 from nanoserve.sampling.params import SamplingParams
