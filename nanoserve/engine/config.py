@@ -15,7 +15,7 @@ from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
 from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
 from nanoserve.model.quantized import SCHEMES
 
-# fp8: e4m3 weights and activations on FP8 tensor cores; gguf: a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
+# fp8: e4m3 weights and activations on FP8 tensor cores; gguf: a GGUF file's own blocks (Q8_0 ... Q6_K)
 QUANTIZATION_SCHEMES = [*SCHEMES, "fp8", "gguf"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,7 +140,7 @@ class EngineConfig:
                              "file (use int8 or int4 to quantize other checkpoints)")
         if self.quantization_group_size is not None and self.quantization not in SCHEMES:
             raise ValueError(f"--quantization-group-size sets the groups of int8 and int4, not of "
-                             f"{self.quantization or 'unquantized weights'} (fp8 scales rows; gguf keeps the file's 32)")
+                             f"{self.quantization or 'unquantized weights'} (fp8 scales rows; gguf keeps the file's groups)")
         if self.quantization == "fp8":
             check_fp8(self.device or default_device(), self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -304,7 +304,8 @@ def add_quantization_arguments(p) -> None:
     p.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
                    help="store the decoder's projections as int8 or int4 codes in groups, rounded to nearest at "
                         "load (activations stay in --dtype), as float8 e4m3 with per-row scales on FP8 tensor cores "
-                        "(fp8, GPU only), or as a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (gguf) (default: off)")
+                        "(fp8, GPU only), or as a GGUF file's own blocks, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and the k-quants "
+                        "Q4_K/Q5_K/Q6_K (gguf) (default: off)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="with --quantization int8|int4: inputs that share one scale and offset (default: 128, or "
                         "the largest of 64 and 32 that divides every projection's inputs)")

@@ -167,7 +167,7 @@ def dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
-def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K's 12 bytes of sub-block scales -> (scales, mins), float32 [n, 8] each, 0..63.
 
     Eight 6-bit scales and eight 6-bit mins make 96 bits, packed in three groups of four bytes,
@@ -202,11 +202,11 @@ def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
         [d: f16][dmin: f16][scales and mins: 12 bytes][qs: 128 bytes of 4-bit codes]
 
     Value l of sub-block i: x = (d * sc_i) * q - (dmin * m_i), q = 0..15. (Subtracted: the min
-    is stored as a positive offset below zero.) The 12 bytes: `_k_scales_and_mins`; the order of
+    is stored as a positive offset below zero.) The 12 bytes: `k_scales_and_mins`; the order of
     the codes: `_k_nibbles`.
     """
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # [n, 1] each
-    sc, m = _k_scales_and_mins(blocks[:, 4:16])  # [n, 8] each
+    sc, m = k_scales_and_mins(blocks[:, 4:16])  # [n, 8] each
     q = _k_nibbles(blocks[:, 16:144]).float()  # [n, 8, 32]
     scale = (d * sc).unsqueeze(2)  # [n, 8, 1]: one scale per sub-block
     offset = (dmin * m).unsqueeze(2)  # [n, 8, 1]
@@ -224,7 +224,7 @@ def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     position in all eight sub-blocks). x = (d * sc_i) * q - (dmin * m_i), q = 0..31.
     """
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # [n, 1] each
-    sc, m = _k_scales_and_mins(blocks[:, 4:16])  # [n, 8] each
+    sc, m = k_scales_and_mins(blocks[:, 4:16])  # [n, 8] each
     qh = blocks[:, 16:48]  # [n, 32]
     low = _k_nibbles(blocks[:, 48:176])  # [n, 8, 32]
     bit = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)  # sub-block i reads bit i

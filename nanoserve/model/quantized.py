@@ -16,7 +16,8 @@ and each weight an unsigned code q of `bits` bits:
   Q4_0 (w = d · (c − 8)) is q = c, s = d, o = −8 d.
 
 Storage: 8-bit codes one per byte, [N, K]; 4-bit codes two per byte, [N, K / 2], the even input in
-the low nibble. Scales and offsets [N, K / G] in float16.
+the low nibble. Scales and offsets [N, K / G] in float16, or in float32 where a GGUF file's numbers
+need it (its k-quants' d · sc: nanoserve/model/gguf_quantized.py); both paths widen in float32.
 
 `QuantizedLinear` keeps `nn.Linear`'s call (x [T, K] -> [T, N]); its PyTorch path widens the whole
 weight and multiplies (the reference, and the CPU's path); on a GPU `kernel` holds the Triton

@@ -1,5 +1,6 @@
 """Week 22 (issue 33): `--quantization gguf`, a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks run as they are
-(nanoserve/model/gguf_quantized.py), equal to week 13's widened weights."""
+(nanoserve/model/gguf_quantized.py), equal to week 13's widened weights. Week 19's Q5_0, Q5_1 and
+k-quants: tests/week22/test_gguf_kquants.py."""
 
 from __future__ import annotations
 
@@ -52,31 +53,52 @@ def hf_model():
                                      num_attention_heads=4, num_key_value_heads=2), init_std=0.15)
 
 
-@pytest.mark.exercise("block-codes", "gguf-layers")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @torch.no_grad()
-def test_a_tiny_files_blocks_run_as_week_13s_widened_model_bit_for_bit(hf_model, qtype, tmp_path):
+def same_logits(a, b, vocab_size: int) -> bool:
+    ids = torch.randint(0, vocab_size, (19,))
+    positions = torch.arange(len(ids))
+
+    def logits(model):
+        return model.compute_logits(model(ids, positions, PrefillContext([len(ids)])))
+    return torch.equal(logits(a), logits(b))
+
+
+@pytest.mark.exercise("block-codes", "gguf-layers")
+@pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8)])
+def test_a_tiny_files_blocks_run_as_week_13s_widened_model_bit_for_bit(hf_model, qtype, bits, tmp_path):
     """A Llama file as llama.cpp writes it (its names, its q/k row order, every 2-D weight in
-    `qtype`): the projections built from its blocks give exactly the logits of week 13's model."""
+    `qtype`): the projections built from its blocks give exactly the logits of week 13's model.
+    (Q5_0 and Q5_1's 5-bit codes are stored one a byte.)"""
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", hf_model, qtype)
     widened = load_model(path)
     blocks = load_model(path)
     names = use_gguf_blocks(blocks, path)
     layers = hf_model.config.num_hidden_layers
     assert len(names) == 4 * layers and all(isinstance(blocks.get_submodule(n), QuantizedLinear) for n in names)
-    ids = torch.randint(0, hf_model.config.vocab_size, (19,))
-    positions = torch.arange(len(ids))
-
-    def logits(model):
-        return model.compute_logits(model(ids, positions, PrefillContext([len(ids)])))
-    assert torch.equal(logits(blocks), logits(widened))
+    assert {blocks.get_submodule(n).bits for n in names} == {bits}
+    assert same_logits(blocks, widened, hf_model.config.vocab_size)
 
 
 @pytest.mark.exercise("gguf-layers")
-def test_a_fused_layer_whose_parts_differ_in_type_stays_dense(hf_model, tmp_path):
-    """q in Q8_0 beside k and v in Q4_1: one qkv layer cannot hold both, so it keeps its widened
-    weight; every other projection of the file is read as blocks."""
+def test_a_fused_layer_whose_parts_differ_in_type_takes_their_common_format(hf_model, tmp_path):
+    """q in Q8_0 beside k and v in Q4_1 (llama.cpp's mixes do that: Gemma 3's v in Q8_0 beside q and
+    k in Q5_0): the qkv layer holds 8-bit codes for all three, each part's own scales and offsets;
+    the logits stay week 13's."""
     path = write_gguf(tmp_path / "mixed.gguf", hf_model, "Q4_1", mixed={"attn_q": "Q8_0"})
+    model = load_model(path)
+    names = use_gguf_blocks(model, path)
+    layers = hf_model.config.num_hidden_layers
+    assert len(names) == 4 * layers
+    assert model.get_submodule("layers.0.self_attn.qkv_proj").bits == 8
+    assert model.get_submodule("layers.0.mlp.gate_up_proj").bits == 4
+    assert same_logits(model, load_model(path), hf_model.config.vocab_size)
+
+
+@pytest.mark.exercise("gguf-layers")
+def test_a_fused_layer_with_a_part_in_float16_stays_dense(hf_model, tmp_path):
+    """q in F16 beside k and v in Q4_1: a float part has no codes, so the qkv layer keeps its widened
+    weight; every other projection of the file is read as blocks."""
+    path = write_gguf(tmp_path / "mixed-f16.gguf", hf_model, "Q4_1", mixed={"attn_q": "F16"})
     model = load_model(path)
     names = use_gguf_blocks(model, path)
     layers = hf_model.config.num_hidden_layers
