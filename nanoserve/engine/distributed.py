@@ -325,7 +325,11 @@ def _same_package_env() -> dict[str, str]:
     return env
 
 
-WORKER_COMMAND = "from nanoserve.engine.distributed import worker_from_stdin; worker_from_stdin()"
+# `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH: run from the
+# repository root, a learner's workers would import the reference `nanoserve/` there instead of the
+# workspace's (`_same_package_env`). The empty entry goes before anything is imported.
+WORKER_COMMAND = ("import sys; sys.path = [p for p in sys.path if p]; "
+                  "from nanoserve.engine.distributed import worker_from_stdin; worker_from_stdin()")
 
 
 def worker_from_stdin() -> None:

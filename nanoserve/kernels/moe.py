@@ -38,6 +38,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     block_m with the sentinel T * k; block_expert[b] is the expert of entries b*block_m .. (b+1)*block_m - 1,
     or -1 past the end. P = T*k + E*(block_m - 1) rounded up to block_m: the most padding can take.
     """
+    # >>> week24: align-tokens
     flat = ids.flatten()
     num_pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
@@ -53,6 +54,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     block_expert = torch.searchsorted(padded_end, starts, right=True)  # the expert whose padded rows hold the start
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return pairs, block_expert
+    # <<< week24: align-tokens
 
 
 @triton.jit
@@ -60,6 +62,7 @@ def _gate_up_kernel(X, W, Act, Pairs, BlockExpert, num_pairs, top_k, hidden, int
                     stride_x, stride_we, stride_wn, stride_act,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """Act[sorted row] = SiLU(x W_gateᵀ) · (x W_upᵀ) for the pairs of one block, one expert."""
+    # >>> week24: grouped-gate-up
     expert = tl.load(BlockExpert + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,6 +89,7 @@ def _gate_up_kernel(X, W, Act, Pairs, BlockExpert, num_pairs, top_k, hidden, int
         act = gate * tl.sigmoid(gate) * up
         tl.store(Act + rows[:, None].to(tl.int64) * stride_act + n[None, :], act.to(Act.dtype.element_ty),
                  mask=real[:, None] & (n[None, :] < inter))
+    # <<< week24: grouped-gate-up
 
 
 @triton.jit

@@ -53,6 +53,7 @@ class ExpertParallel:
 
     def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, run_experts) -> torch.Tensor:
         """Dispatch my tokens' pairs to their experts, run mine, combine what comes back: [t, H]."""
+        # >>> week24: ep-dispatch
         k, n = ids.shape[1], self.group.size
         flat = ids.flatten()  # [t * k]
         order = flat.sort(stable=True).indices  # pairs by expert: rank 0's experts first, then rank 1's...
@@ -68,6 +69,7 @@ class ExpertParallel:
         pair_out = torch.empty_like(back)
         pair_out[order] = back
         return combine(pair_out, weights).to(x.dtype)
+        # <<< week24: ep-dispatch
 
 
 def check_expert_parallel(config, size: int) -> None:

@@ -46,25 +46,30 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     them to sum to 1. Ties go to the lower expert id: a stable sort makes that a rule, where
     `torch.topk` leaves it unspecified (a router of zeros sends every token to experts 0..k-1).
     """
+    # >>> week24: top-k-route
     probs = logits.float().softmax(dim=-1)
     weights, ids = probs.sort(dim=-1, descending=True, stable=True)
     weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+    # <<< week24: top-k-route
 
 
 def combine(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each token's k expert outputs [T * k, H] (token-major) -> their weighted sum [T, H], in float32,
     slot by slot in the same order everywhere (loop, kernel, expert parallelism)."""
+    # >>> week24: moe-combine
     T, k = weights.shape
     return (pair_out.view(T, k, pair_out.shape[-1]).float() * weights[..., None]).sum(dim=1)
+    # <<< week24: moe-combine
 
 
 def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
     """The reference: one expert at a time, its tokens gathered, its SwiGLU run, the results put
     back in their (token, slot) rows; then the weighted sum. x [T, H] -> [T, H] in x's dtype."""
+    # >>> week24: expert-loop
     T, k = ids.shape
     inter = w2.shape[2]
     pair_out = x.new_zeros(T * k, x.shape[1])  # one row per (token, slot)
@@ -76,6 +81,7 @@ def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
         gate, up = F.linear(x[pairs // k], w13[e]).split(inter, dim=-1)  # [n, I] each
         pair_out[pairs] = F.linear(F.silu(gate) * up, w2[e])
     return combine(pair_out, weights).to(x.dtype)
+    # <<< week24: expert-loop
 
 
 class ExpertWeights(nn.Module):

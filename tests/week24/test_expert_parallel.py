@@ -1,7 +1,12 @@
-"""Week 24: expert parallelism. Two CPU ranks over gloo, each holding half the experts, tokens sent
-to their experts and back with all_to_all_single: the same tokens as one rank (and as HF), the same
-routing counts on the driver; a router that sends every token to the first rank's experts (the
-second rank's experts get nothing); and what expert parallelism refuses, before any process starts."""
+"""Week 24: expert parallelism. First the exchange alone, its ranks threads of this process whose
+collectives meet at a barrier (the lesson's worked example, then ragged steps over three ranks). Then
+two CPU ranks over gloo, each holding half the experts, tokens sent to their experts and back with
+all_to_all_single: the same tokens as one rank (and as HF), the same routing counts on the driver; a
+router that sends every token to the first rank's experts (the second rank's experts get nothing);
+and what expert parallelism refuses, before any process starts."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -10,13 +15,108 @@ from nanoserve.cli import build_parser
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.engine import LLM
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.expert_parallel import check_expert_parallel
+from nanoserve.model.expert_parallel import ExpertParallel, check_expert_parallel
+from nanoserve.model.moe import experts_loop, route
+from nanoserve.model.tensor_parallel import Group
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import make_family_model, save_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 COMMON = dict(dtype=torch.float32, device="cpu", num_blocks=64, block_size=4, max_num_seqs=4,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16)
+
+
+class ThreadGroup(Group):
+    """One of N ranks that are threads of this process: all_to_all and all_gather hand tensors over
+    through `board` (shared by the N groups) and meet at its barrier. Records what each all_to_all
+    received, for the checks."""
+
+    def __init__(self, rank: int, size: int, board: dict):
+        super().__init__(rank, size)
+        self.board, self.received = board, []
+
+    def _swap(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """parts[r] goes to rank r; returns what each rank sent this one, in rank order."""
+        self.board[self.rank] = parts
+        self.board["barrier"].wait()
+        got = [self.board[r][self.rank] for r in range(self.size)]
+        self.board["barrier"].wait()  # everyone has read before anyone posts again
+        return got
+
+    def all_to_all(self, x, out_splits=None, in_splits=None):
+        got = self._swap(list(x.split(in_splits or [x.shape[0] // self.size] * self.size)))
+        assert out_splits is None or [len(g) for g in got] == out_splits, (out_splits, [len(g) for g in got])
+        self.received.append(torch.cat(got))
+        return self.received[-1]
+
+    def all_gather(self, x, dim=-1):
+        return torch.cat(self._swap([x] * self.size), dim=dim)
+
+
+def on_thread_ranks(size: int, work) -> tuple[list, list[ThreadGroup]]:
+    """work(group) on `size` threads at once, one rank each: (their results, their groups)."""
+    board = {"barrier": threading.Barrier(size, timeout=60)}
+    groups = [ThreadGroup(r, size, board) for r in range(size)]
+
+    def one(group):
+        try:
+            return work(group)
+        except BaseException:
+            board["barrier"].abort()  # the other ranks stop waiting for this one
+            raise
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(one, groups)), groups
+
+
+def expert_weights(experts: int, hidden: int = 16, inter: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(experts, 2 * inter, hidden, generator=g) / 4, torch.randn(experts, hidden, inter, generator=g) / 3
+
+
+def local_experts(group: ThreadGroup, w13, w2):
+    """run_experts for this rank: its own experts' slices of w13 and w2, local ids."""
+    per = w13.shape[0] // group.size
+    mine = slice(group.rank * per, (group.rank + 1) * per)
+    return lambda rows, weights, ids: experts_loop(rows, w13[mine], w2[mine], weights, ids)
+
+
+@pytest.mark.exercise("ep-dispatch")
+def test_the_lessons_exchange_on_two_thread_ranks():
+    """Two ranks, four experts (0 and 1 on rank 0, 2 and 3 on rank 1), top-2. Rank 0's tokens chose
+    [0, 2], [3, 0], [1, 3]; rank 1's [2, 3], [2, 0]. The counts exchanged, the rows each rank's
+    experts receive, and each rank's output: its own tokens through the experts they chose, as the
+    loop over all four experts on one rank gives them."""
+    w13, w2 = expert_weights(4)
+    ids = [torch.tensor([[0, 2], [3, 0], [1, 3]]), torch.tensor([[2, 3], [2, 0]])]
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(len(i), 16, generator=g) for i in ids]
+    weights = [torch.rand(len(i), 2, generator=g) for i in ids]
+
+    def work(group):
+        r = group.rank
+        return ExpertParallel(group, 4).exchange(x[r], weights[r], ids[r], local_experts(group, w13, w2))
+    outs, groups = on_thread_ranks(2, work)
+    counts = [group.received[0].tolist() for group in groups]
+    assert counts == [[2, 1, 1, 0], [1, 2, 2, 1]]  # what ranks 0 and 1 send to each of my two experts
+    assert [len(group.received[1]) for group in groups] == [4, 6]  # rows dispatched to each rank
+    assert [len(group.received[2]) for group in groups] == [6, 4]  # results back: each rank's t * k pairs
+    for r in range(2):
+        torch.testing.assert_close(outs[r], experts_loop(x[r], w13, w2, weights[r], ids[r]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.exercise("ep-dispatch")
+@pytest.mark.parametrize("tokens", [7, 2, 1])
+def test_a_step_over_three_thread_ranks_equals_one(tokens):
+    """Six experts over three ranks, top-2: every rank gets the whole step's output, equal to the
+    loop on one rank. With 2 tokens or 1, the last ranks have no token of their own to send."""
+    w13, w2 = expert_weights(6, seed=tokens)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 16, generator=g)
+    weights, ids = route(torch.randn(tokens, 6, generator=g), 2, renormalize=True)
+    outs, _ = on_thread_ranks(3, lambda group: ExpertParallel(group, 6)(x, weights, ids, local_experts(group, w13, w2)))
+    expected = experts_loop(x, w13, w2, weights, ids)
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def run(path, prompts, **kwargs) -> tuple[list[list[int]], dict]:
@@ -26,6 +126,7 @@ def run(path, prompts, **kwargs) -> tuple[list[list[int]], dict]:
         return outs + alone, llm.engine.expert_load()
 
 
+@pytest.mark.exercise("ep-dispatch")
 def test_two_ranks_equal_one_and_hf(moe_checkpoints, moe_prompts, hf_greedy):
     """Qwen2-MoE (16 experts: 8 a rank, a shared expert and a dense layer replicated), batches of
     ragged prompts, chunked, cached prefixes, then a lone sequence whose decode steps leave rank 1
@@ -37,6 +138,7 @@ def test_two_ranks_equal_one_and_hf(moe_checkpoints, moe_prompts, hf_greedy):
     assert load_two == load_one  # the driver routes every token, so its counts are the whole engine's
 
 
+@pytest.mark.exercise("ep-dispatch")
 def test_every_token_to_the_first_ranks_experts(tmp_path, moe_prompts):
     """A Mixtral whose routers are zero: every token ties, and goes to experts 0 and 1, both on rank 0."""
     hf = make_family_model("mixtral")

@@ -56,6 +56,7 @@ def test_what_the_experts_cannot_run_is_refused_by_name(change, message):
         ModelConfig.from_dict(raw | change)
 
 
+@pytest.mark.exercise("expert-loop")
 @torch.no_grad()
 def test_hidden_states_and_logits_match_hf(family):
     name, path, hf = family
@@ -70,6 +71,7 @@ def test_hidden_states_and_logits_match_hf(family):
     torch.testing.assert_close(ours.compute_logits(hidden), expected.logits[0], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.exercise("expert-loop")
 @torch.no_grad()
 def test_the_routing_rules_matter(moe_checkpoints):
     """Qwen2-MoE without its shared expert, or with Mixtral's renormalization, gives other logits:

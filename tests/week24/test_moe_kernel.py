@@ -16,6 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ----------------------------------------------------------------------------------- the router
 
 
+@pytest.mark.exercise("top-k-route")
 def test_ties_go_to_the_lower_expert():
     """A router of zeros ties every expert: each token goes to experts 0..k-1, with equal weights
     (1/k renormalized; 1/E, the softmax's, without). `torch.topk` leaves the choice unspecified."""
@@ -27,6 +28,7 @@ def test_ties_go_to_the_lower_expert():
     assert ids.tolist() == [[1, 3, 2]]  # two ties, each to its lower id
 
 
+@pytest.mark.exercise("top-k-route")
 def test_weights_are_the_softmax_of_the_chosen():
     logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     probs = logits.softmax(-1)
@@ -36,11 +38,26 @@ def test_weights_are_the_softmax_of_the_chosen():
     assert torch.allclose(renormalized.sum(-1), torch.ones(6)) and torch.allclose(renormalized, weights / weights.sum(-1, True))
 
 
+@pytest.mark.exercise("moe-combine")
+def test_combine_is_the_weighted_sum_of_each_tokens_rows():
+    """The lesson's worked example: rows are token-major (pair p is token p // k, slot p % k); each
+    token's k rows are summed with its weights, in float32 whatever the rows' dtype."""
+    pair_out = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    assert combine(pair_out, weights).tolist() == [[1.5, 2.5], [6.0, 7.0]]
+    out = combine(pair_out.bfloat16(), weights)
+    assert out.dtype == torch.float32 and out.tolist() == [[1.5, 2.5], [6.0, 7.0]]
+    three = torch.arange(18.0).view(6, 3)  # T = 2, k = 3
+    assert combine(three, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])).tolist() == [[0.0, 1.0, 2.0], [30.0, 32.0, 34.0]]
+    assert combine(torch.zeros(0, 4), torch.zeros(0, 2)).shape == (0, 4)
+
+
 def swiglu(x, w13, w2):
     gate, up = (x @ w13.T).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up) @ w2.T
 
 
+@pytest.mark.exercise("expert-loop")
 def test_loop_is_the_weighted_sum_of_each_tokens_experts():
     """The reference itself, against its definition written out token by token."""
     g = torch.Generator().manual_seed(1)
@@ -55,6 +72,7 @@ def test_loop_is_the_weighted_sum_of_each_tokens_experts():
 # ----------------------------------------------------------------------------------- the alignment
 
 
+@pytest.mark.exercise("align-tokens")
 def test_align_by_expert_by_hand():
     """Pairs (token·k + slot): expert 0 has 0 and 5, expert 1 has 3, expert 2 has 1, 2, 4; expert 3 none.
     Blocks of 4: one each for experts 0, 1 and 2; the rest, up to the most padding could take, none."""
@@ -64,6 +82,7 @@ def test_align_by_expert_by_hand():
     assert block_expert.tolist() == [0, 1, 2, -1, -1]
 
 
+@pytest.mark.exercise("align-tokens")
 @pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 2, 8, 16), (37, 4, 16, 16), (64, 2, 8, 64), (9, 1, 3, 4)])
 def test_every_pair_lands_once_in_a_block_of_its_expert(tokens, k, experts, block_m):
     ids = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens))
@@ -89,6 +108,7 @@ def moe_inputs(tokens, hidden, inter, experts, k, seed=0, logits=None):
     return [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
 
 
+@pytest.mark.exercise("grouped-gate-up")
 @pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
     (1, 64, 32, 8, 2),  # one decode row: two experts busy, six idle
     (7, 48, 40, 16, 4),  # ragged sizes: every mask at work; many experts, some empty
@@ -101,6 +121,7 @@ def test_fused_kernels_equal_the_loop(tokens, hidden, inter, experts, k):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exercise("grouped-gate-up")
 def test_all_tokens_to_one_expert():
     """A router that sends every token to expert 5 first and 2 second (18 rows: two blocks of one
     expert's, the others empty): the kernels, the loop and the two SwiGLUs written out agree."""
