@@ -186,7 +186,15 @@ def test_an_unload_with_requests_in_flight_is_refused(other_model):
 
 
 def test_operator_endpoints_are_behind_the_api_key(other_model):
-    with ModelsServer({"tiny": "tiny", "other": other_model}, api_key=["k1", "k2"]) as s:
+    app = "https://ops.example"
+    with ModelsServer({"tiny": "tiny", "other": other_model}, api_key=["k1", "k2"], allowed_origins=[app]) as s:
+        # a browser's preflight (CORS, --allowed-origins) is answered without the key; the request itself needs it
+        preflight = {"Origin": app, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        answer = httpx.options(s.url + "/v1/models/other/unload", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == app
+        elsewhere = httpx.options(s.url + "/v1/models/other/unload", headers={**preflight, "Origin": "https://evil.example"})
+        assert elsewhere.status_code == 400 and "access-control-allow-origin" not in elsewhere.headers
         assert operator(s.url, "other", "unload").status_code == 401
         assert operator(s.url, "other", "unload", Authorization="Bearer wrong").status_code == 401
         assert operator(s.url, "other", "unload", Authorization="Bearer k2").status_code == 200
