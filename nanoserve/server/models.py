@@ -273,6 +273,7 @@ class ModelRegistry:
             if slot.served is not None:
                 slot.served.engine.shutdown()
                 slot.served, slot.state = None, UNLOADED
+        self.loader.shutdown(wait=False)
 
 
 def parse_models(specs: Sequence[str], served_name: str | None = None) -> dict[str, str]:
