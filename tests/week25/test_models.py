@@ -13,11 +13,12 @@ import httpx
 import pytest
 from conftest import ENGINE, ModelsServer
 
-from nanoserve.cli import build_parser
+from nanoserve.cli import build_parser, main
 from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.server.models import parse_models
 from nanoserve.server.serve import split_models
+from nanoserve.testing import AppThread, free_ports
 
 PROMPT = "The list of"
 
@@ -225,3 +226,26 @@ def test_the_command_line_names_the_models(other_model):
         with pytest.raises(ValueError, match=message):
             args(*argv)
     assert parse_models(["x=y"]) == {"x": "y"}
+
+
+def test_nanoserve_serve_with_two_models(other_model, expected, monkeypatch, capsys):
+    """`nanoserve serve` with two models, one resident: its app, served as uvicorn.run would serve it
+    (in this process), loads the other for a request; every engine is shut down when it returns."""
+    seen = {}
+
+    def run(app, **options):
+        with AppThread(app) as s:
+            seen["before"] = loaded(s.url)
+            seen["text"] = complete(s.url, "other").json()["choices"][0]["text"]
+            seen["after"] = loaded(s.url)
+            seen["registry"] = app.state.server.models
+
+    monkeypatch.setattr("nanoserve.server.serve.uvicorn.run", run)
+    assert main(["serve", "--model", "tiny=tiny", "--model", f"other={other_model}", "--max-loaded-models", "1",
+                 "--device", "cpu", "--num-blocks", "64", "--max-model-len", "256", "--port", str(free_ports(1)),
+                 "--rate-limit-rpm", "100"]) == 0
+    assert seen["before"] == {"tiny": True, "other": False} and seen["after"] == {"tiny": False, "other": True}
+    assert seen["text"] == expected["other"]
+    assert seen["registry"].resident() == 0  # shut down on the way out
+    err = capsys.readouterr().err
+    assert "nanoserve: serving tiny (tiny) on" in err and "nanoserve: other" in err and "loads on its first request" in err
