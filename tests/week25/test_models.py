@@ -11,7 +11,7 @@ import weakref
 
 import httpx
 import pytest
-from conftest import ENGINE, ModelsServer
+from agents_helpers import ENGINE, ModelsServer
 
 from nanoserve.cli import build_parser, main
 from nanoserve.engine.engine import LLM
