@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -173,14 +172,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from nanoserve.engine.async_engine import AsyncEngine
-    from nanoserve.engine.config import EngineConfig
-    from nanoserve.engine.engine import Engine
-    from nanoserve.server.app import check_port_free, create_app, guard_options
-    from nanoserve.server.data_parallel import exit_on_signal
-    from nanoserve.server.http11 import OpenAIErrorH11Protocol
+    from nanoserve.server.app import check_port_free
 
     _configure_logging(args.log_level)
     if (args.prefill_url is None) != (args.decode_url is None):
@@ -209,22 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from nanoserve.server.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args, args.argv)
-    engine = Engine(EngineConfig.from_args(args))
-    async_engine = AsyncEngine(engine, max_pending=args.max_pending).start()
-    app = create_app(async_engine, args.served_model_name or str(args.model), metrics=args.metrics,
-                     log_requests=args.log_requests, **guard_options(args))
-    print(f"nanoserve: serving {args.model} on http://{args.host}:{args.port} "
-          f"({engine.runner.cache.num_blocks} KV blocks of {engine.runner.cache.block_size}, {engine.attention_backend} attention)"
-          + (f", the {args.kv_role} instance of a pair (KV over {args.kv_connector}, {args.kv_address})" if args.kv_role else ""),
-          file=sys.stderr)
-    previous = signal.signal(signal.SIGTERM, exit_on_signal)  # docker, systemd, kubernetes: as Ctrl-C
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=OpenAIErrorH11Protocol,
-                    timeout_keep_alive=args.keep_alive_timeout)
-    finally:
-        async_engine.shutdown()  # the engine thread, then the engine's other ranks
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+    from nanoserve.server.serve import serve_models
+
+    return serve_models(args)
 
 
 def serve_proxy(args: argparse.Namespace) -> int:
@@ -330,9 +309,10 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "fewest outstanding tokens (week 18; default: %(default)s, no front)")
     srv.add_argument("--replica-start-timeout", type=float, default=600.0,
                      help="--data-parallel-size: seconds to wait for the replicas to be healthy (default: %(default)g)")
-    srv.add_argument("--api-key", default=None,
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every path but /health and /metrics (the docs "
-                          "pages /docs, /redoc and /openapi.json included, unless --public-docs)")
+                          "pages /docs, /redoc and /openapi.json included, unless --public-docs); repeat it for "
+                          "several keys, each with its own rate limits (default: none, no key needed)")
     srv.add_argument("--public-docs", action="store_true",
                      help="with --api-key: serve /docs, /redoc and /openapi.json without the key (default: off)")
     srv.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
@@ -342,7 +322,19 @@ def _add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
                      help="web origins (https://app.example:8443) whose pages may call the server: CORS "
                           "(comma-separated or repeated; '*' for any). Default: none")
-    srv.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: --model)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the 'model' clients send, with one --model PATH (default: --model)")
+    srv.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
+                     help="with several --model NAME=PATH: keep at most K models loaded, unloading the least "
+                          "recently used to load another on demand (issue 38; default: all of them)")
+    srv.add_argument("--rate-limit-rpm", type=int, default=None,
+                     help="requests a minute each API key (or, without --api-key, each client address) may send, "
+                          "in bursts of up to a minute's worth; past it, 429 with Retry-After (issue 38; default: "
+                          "no limit)")
+    srv.add_argument("--rate-limit-tpm", type=int, default=None,
+                     help="tokens a minute each API key (or client address) may use, a request counting its "
+                          "prompt and max_tokens for each choice; past it, 429 with Retry-After (issue 38; "
+                          "default: no limit)")
     srv.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429 (default: %(default)s)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20,
                      help="the largest request body, in bytes, before a 413 (default: %(default)s, 1 MiB)")
@@ -430,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     _add_serve_arguments(srv)
     add_parallel_argument(srv)
-    EngineConfig.add_arguments(srv)
+    EngineConfig.add_arguments(srv, several_models=True)
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="latency, throughput and serving benchmarks, HuggingFace side by side")
@@ -491,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # what --data-parallel-size hands on to its replicas
     try:
+        if args.command == "serve":  # issue 38: --model may name several models
+            from nanoserve.server.serve import split_models
+
+            split_models(args)
         if getattr(args, "parallel", "manual") == "auto":  # before torchrun's ranks read the sizes
             apply_parallel_auto(args)
         if worker_rank_under_torchrun(args):

@@ -216,7 +216,8 @@ class AsyncEngine:
                     self.request_ids[key] = self.engine.add_request(prompt, params,
                                                                     priority=options.get("priority", 0),
                                                                     kv_transfer=options.get("kv_transfer"),
-                                                                    lora=options.get("lora"))
+                                                                    lora=options.get("lora"),
+                                                                    arrival_time=options.get("arrival_time"))
                     self.options[key] = options
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)

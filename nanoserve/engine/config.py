@@ -196,11 +196,17 @@ class EngineConfig:
             raise ValueError(f"LoRA adapters with {' and '.join(untried)} are not supported yet")
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny") -> None:
-        """The command-line options of an engine, shared by generate, chat, serve and bench."""
+    def add_arguments(parser: argparse.ArgumentParser, default_model: str = "tiny", several_models: bool = False) -> None:
+        """The command-line options of an engine, shared by generate, chat, serve and bench
+        (`several_models`: serve's --model, which may be repeated, issue 38)."""
 
         p = parser.add_argument_group("engine")
-        p.add_argument("--model", default=default_model, help=f"{MODEL_NAMES_HELP} (default: {default_model})")
+        if several_models:  # a list; `nanoserve serve` reads it (nanoserve/cli.py, `split_models`)
+            p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                           help=f"{MODEL_NAMES_HELP}; repeated as NAME=MODEL, several models in one server, each "
+                                f"requested by its NAME (issue 38; default: {default_model})")
+        else:
+            p.add_argument("--model", default=default_model, help=f"{MODEL_NAMES_HELP} (default: {default_model})")
         p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,

@@ -195,3 +195,12 @@ def kv_pool_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, runner_arg
         )
     return budget // per_block, dict(step_bytes=step_bytes, budget_bytes=budget, total_bytes=total)
 
+
+
+def release_cached_memory() -> None:
+    """Issue 38, after an engine is dropped (a model unloaded): collect it now (its pool and weights
+    may sit in reference cycles), and give the GPU memory PyTorch keeps cached back to the device, so
+    that the next model's KV pool, sized from what the device reports free, gets it."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -167,18 +167,17 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     stream: bool = True, priority: int = 0, kv_transfer: dict | None = None,
-                    lora: str | None = None) -> int:
+                    lora: str | None = None, arrival_time: float | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
         first) matters only with `scheduling_policy="priority"`. `kv_transfer` (issue 35, see
         nanoserve/engine/disaggregation.py): on a prefill instance `{"send": True}` keeps the
         prompt's KV for a decode instance; on a decode instance, what the prefill instance answered
         (then `prompt` is ignored: the prompt is the one whose KV comes). `lora` names a loaded
-        adapter (week 23) to run it under; None: the base model.
+        adapter (week 23) to run it under; None: the base model. `arrival_time` (issue 38, on
+        `time.perf_counter()`'s clock): when a server got it; its queue time and TTFT count from there.
 
-        With `stream=False` the request produces one output, when it finishes, and its text is
-        decoded once at the end instead of token by token (unless it has stop strings, which
-        must be looked for as the text grows).
-        """
+        With `stream=False` the request produces one output, when it finishes, its text decoded
+        once at the end (unless it has stop strings, which must be looked for as the text grows)."""
         params = params or SamplingParams()
         lora_id = self.adapters.id_of(lora)
         if self.workers is not None and self.workers.failed is not None:
@@ -200,7 +199,8 @@ class Engine:
         if params.grammar is not None:  # structured output: the grammar also ends the request
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
         seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority, lora_id=lora_id,
-                       keep_kv=self.kv_prefill is not None and kv_transfer is not None)
+                       keep_kv=self.kv_prefill is not None and kv_transfer is not None,
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
         self.scheduler.add(seq)  # (which refuses a request that can never fit)
         if transfer is not None:  # issue 35: its KV comes from a prefill instance; it waits outside the queue

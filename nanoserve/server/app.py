@@ -10,8 +10,9 @@ request, turns it into prompt token ids and `SamplingParams`, and awaits the out
 as server-sent events when `stream` is true.
 
 This module is the app's front door: the `Guard` middleware and the routes. What each route does
-is a plain function in nanoserve/server/handlers.py, of a `ServerState` (the engine and the
-server's settings) and the request.
+is a plain function in nanoserve/server/handlers.py, of a `ServerState` (the models, each with its
+engine, and the server's settings) and the request. Issue 38: one server may serve several models
+(nanoserve/server/models.py), each request routed to the one it names.
 
 Every error a client can cause comes back as OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, and the server
@@ -43,10 +44,12 @@ from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers, lora_api, tokenizer_api
+from nanoserve.server import handlers, lora_api, models_api, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
+from nanoserve.server.models import ModelRegistry
 from nanoserve.server.protocol import APIError
+from nanoserve.server.rate_limits import RateLimiter
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
 from nanoserve.server.tokenizer_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
@@ -159,14 +162,16 @@ class Guard:
     (413). Then the body's arrival is timed (`body_timeout` seconds), an exception no handler took
     becomes a 500, and (week 16) every response's status is handed to `on_response(path, status)`.
 
+    `api_key`: a key, or several (issue 38: each client its own, and its own rate limits), or None.
     `allowed_hosts`: the Host names served (any port); None or `*` for any. `allowed_origins`: the
     web origins whose pages may call the server (CORS); none by default. `public_docs`: serve
     FastAPI's /docs, /redoc and /openapi.json without the key."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_response=None,
+    def __init__(self, app, api_key: str | Sequence[str] | None, max_body_bytes: int, on_response=None,
                  body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                  allowed_origins: Sequence[str] = (), public_docs: bool = False):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_keys = [api_key.encode()] if isinstance(api_key, str) else [key.encode() for key in api_key or ()]
         self.on_response, self.body_timeout = on_response, body_timeout
         self.hosts = host_names(allowed_hosts)
         self.open_paths = OPEN_PATHS + (DOCS_PATHS if public_docs else ())
@@ -220,7 +225,7 @@ class Guard:
 
     def key_error(self, path: str, headers: dict) -> APIError | None:
         """With a key set, every path needs it but /health, /metrics (and the docs with `public_docs`)."""
-        if self.api_key is None or path in self.open_paths or self.authorized(headers.get(b"authorization", b"")):
+        if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b"")):
             return None
         return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                         code="invalid_api_key", type_="authentication_error")
@@ -245,9 +250,10 @@ class Guard:
     def authorized(self, authorization: bytes) -> bool:
         """`Authorization: Bearer <key>`, the scheme in any case (HTTP's schemes are case-insensitive),
         the key compared in constant time (`==` stops at the first wrong byte, which a patient
-        attacker can time)."""
+        attacker can time) with every key the server takes."""
         scheme, _, key = authorization.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key.encode())
+        matches = [hmac.compare_digest(key.strip(), known) for known in self.api_keys]  # all compared, always
+        return scheme.lower() == b"bearer" and any(matches)
 
     async def answer_errors(self, scope, receive, send):
         """Run the app; an exception no handler took (a bug, not the client's fault) becomes a 500
@@ -303,28 +309,39 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, routing_error)
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+def server_state(engine: AsyncEngine | ModelRegistry, model_name: str | None, metrics: bool | None,
+                 log_requests: bool, rate_limits: RateLimiter | None, **settings) -> ServerState:
+    """`create_app`'s `ServerState`: the models, their metrics and request log, the other `settings`."""
+    if metrics is None:
+        metrics = 16 not in stubbed_weeks()
+    models = engine if isinstance(engine, ModelRegistry) else ModelRegistry.serving(engine, model_name)
+    state = ServerState(models, metrics=ServerMetrics(models, rate_limits) if metrics else None,
+                        rate_limits=rate_limits, **settings)
+    if state.metrics is not None:
+        models.add_listener(state.metrics.observe_request)
+    if log_requests:
+        models.add_listener(RequestLog())
+    return state
+
+
+def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = None, api_key: str | Sequence[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
                metrics: bool | None = None, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS, allowed_origins: Sequence[str] = (),
-               public_docs: bool = False) -> FastAPI:
+               public_docs: bool = False, rate_limits: RateLimiter | None = None) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
-    with the server's `ServerState` (also at `app.state.server`). `metrics`: serve `GET /metrics`
-    (week 16; by default on, but in a learner's workspace only once week 16 is written, so that an
-    earlier week's server never calls its stub: nanoserve/course/stubs.py); `log_requests`: one JSON
-    line per finished request on the `nanoserve.requests` logger. `allowed_hosts`, `allowed_origins`,
-    `public_docs`: see `Guard` (the default hosts are right for a server on loopback;
-    `allowed_hosts_for` gives them for another address)."""
-    if metrics is None:
-        metrics = 16 not in stubbed_weeks()
-    app = FastAPI(title="nanoserve", version="0.1.0")
-    state = ServerState(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                        default_max_tokens=default_max_tokens, metrics=ServerMetrics(engine) if metrics else None)
+    with the server's `ServerState` (also at `app.state.server`). `engine`: the engine of the one
+    model served, as `model_name`; or (issue 38) a `ModelRegistry` of several. `metrics`: serve `GET
+    /metrics` (week 16; by default on, but in a learner's workspace only once week 16 is written, so
+    that an earlier week's server never calls its stub: nanoserve/course/stubs.py); `log_requests`: one
+    JSON line per finished request on the `nanoserve.requests` logger. `allowed_hosts`,
+    `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for a server on
+    loopback; `allowed_hosts_for` gives them for another address). `rate_limits`: issue 38's buckets
+    per API key (nanoserve/server/rate_limits.py)."""
+    state = server_state(engine, model_name, metrics, log_requests, rate_limits, api_key=api_key,
+                         max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
+    app = FastAPI(title="nanoserve", version="0.1.0", lifespan=state.lifespan)
     app.state.server, app.state.metrics = state, state.metrics
-    if state.metrics is not None:
-        engine.listeners.append(state.metrics.observe_request)
-    if log_requests:
-        engine.listeners.append(RequestLog())
 
     # A plain ASGI middleware, not @app.middleware("http"): that wrapper hides client
     # disconnects from the handlers, and we need them to abort abandoned requests.
@@ -371,8 +388,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
-        return tokenizer_api.tokenizer_info(state)
+        return await tokenizer_api.tokenizer_info(state)
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
+    models_api.add_routes(app, state)  # issue 38: load and unload models
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:

@@ -1,9 +1,11 @@
 """Weeks 10-11: what each route of the HTTP app does (nanoserve/server/app.py holds the routes).
 
-Every handler is a plain function of a `ServerState` (the engine and the server's settings) and
-the request. The two generation endpoints share one path:
+Every handler is a plain function of a `ServerState` (the models, each with its engine, and the
+server's settings) and the request. The two generation endpoints share one path:
 
-    completions / chat_completions     read_json, check_fields, the params, the prompt token ids
+    completions / chat_completions     read_json, check_fields, the model (issue 38: loaded if it
+                                       is not), the params, the prompt token ids (tokenized on a
+                                       worker thread), the rate limits
       -> respond                       submit (admit), then answer:
            streamed                    sse_events over the merged outputs (nanoserve/server/streaming.py)
            plain                       collect each choice's last output, then the body
@@ -15,9 +17,14 @@ exception handler turns it into OpenAI's error body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import os
 import time
 import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +37,10 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.runner.kv_connector import TransferFailed, TransferTimedOut
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.models import ModelRegistry, ServedModel
 from nanoserve.server.protocol import (
     APIError,
     check_fields,
-    check_model,
     check_schema,
     choice_params,
     load_json,
@@ -43,9 +50,9 @@ from nanoserve.server.protocol import (
     stream_fields,
     template_messages,
 )
+from nanoserve.server.rate_limits import RateLimiter
 from nanoserve.server.streaming import (
     StreamLogprobs,
-    TokenStrings,
     chat_completion,
     merged_outputs,
     no_tool_calls,
@@ -56,36 +63,58 @@ from nanoserve.server.streaming import (
 from nanoserve.server.tools import ToolCallStream, ToolError, ToolUse, tool_use
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
+# Issue 38: the threads that tokenize prompts, off the event loop. A core is left to the loop: with
+# as many tokenizing threads as cores, measured on 2 cores, the loop waited up to 0.2 s for the CPU
+# and the GIL (which the tokenizer takes back between its Rust parts); with one, 0.02 s.
+TOKENIZER_THREADS = min(4, max(1, (os.cpu_count() or 2) - 1))
 
 
 @dataclass
 class ServerState:
-    """What the handlers share: the engine, and the server's settings, fixed at start-up."""
+    """What the handlers share: the models (issue 38: one or several, each with its engine), and the
+    server's settings, fixed at start-up."""
 
-    engine: AsyncEngine
-    model_name: str  # the one `model` this server answers to
-    api_key: str | None = None  # checked by the `Guard` middleware, before any handler
+    models: ModelRegistry  # the `model`s this server answers to, and their engines
+    api_key: str | Sequence[str] | None = None  # checked by the `Guard` middleware, before any handler
     max_body_bytes: int = MAX_BODY_BYTES
     default_max_tokens: int = 16
     metrics: ServerMetrics | None = None  # week 16: GET /metrics, when on
-    created: int = field(default_factory=lambda: int(time.time()))  # the model's `created` in /v1/models
-    token_strings: TokenStrings = field(init=False)  # token id -> text and bytes, for logprobs
+    created: int = field(default_factory=lambda: int(time.time()))  # the models' `created` in /v1/models
+    rate_limits: RateLimiter | None = None  # issue 38: --rate-limit-rpm / --rate-limit-tpm, when set
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanoserve-tokenizer"))
 
-    def __post_init__(self):
-        self.token_strings = TokenStrings(self.engine.tokenizer)
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """The app's lifespan (FastAPI's): the tokenizer threads end with it."""
+        yield
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, work, *args):
+        """`work(*args)` on a tokenizer thread (issue 38): a prompt of 100,000 characters takes about
+        0.15 s to tokenize on a 2-core CPU, and on the event loop it would stall every other stream
+        meanwhile. (HuggingFace's tokenizers let go of the GIL while their Rust code runs.)"""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, functools.partial(work, *args))
 
 
 # ------------------------------------------------------------------------- the small routes
 
 
 def health(state: ServerState) -> dict | JSONResponse:
-    """`GET /health`: the engine's load, or 503 once it has failed."""
-    engine = state.engine
-    free, total = engine.kv_blocks()
-    if engine.failed is not None:  # week 18: a load balancer should take this replica out
-        return JSONResponse({"status": "failed", "error": engine.failed}, status_code=503)
-    return {"status": "ok", "requests_in_flight": engine.num_pending,
-            "kv_blocks_free": free, "kv_blocks_total": total}
+    """`GET /health`: the engines' load, or 503 once one has failed (issue 38: summed over the models
+    loaded; with several models, which are)."""
+    loaded = state.models.loaded()
+    several = len(state.models.names) > 1
+    failed = [(m.name, m.engine.failed) for m in loaded if m.engine.failed is not None]
+    if failed:  # week 18: a load balancer should take this replica out
+        error = "; ".join(f"{name}: {why}" if several else why for name, why in failed)
+        return JSONResponse({"status": "failed", "error": error}, status_code=503)
+    blocks = [m.engine.kv_blocks() for m in loaded]
+    body = {"status": "ok", "requests_in_flight": sum(m.engine.num_pending for m in loaded),
+            "kv_blocks_free": sum(free for free, _ in blocks), "kv_blocks_total": sum(total for _, total in blocks)}
+    if several:
+        body["models"] = {slot.name: slot.state for slot in state.models.slots.values()}
+    return body
 
 
 def metrics_page(state: ServerState) -> Response:
@@ -95,23 +124,32 @@ def metrics_page(state: ServerState) -> Response:
 
 
 def list_models(state: ServerState) -> dict:
-    """`GET /v1/models`: the model served, then its LoRA adapters (week 23)."""
-    return {"object": "list", "data": [model_card(state, name) for name in (state.model_name, *state.engine.lora_names)]}
+    """`GET /v1/models`: each model served (issue 38: loaded or not), then its LoRA adapters (week 23)."""
+    cards = []
+    for slot in state.models.slots.values():
+        cards.append(model_card(state, slot.name))
+        cards += [model_card(state, adapter) for adapter in state.models.adapters_of(slot)]
+    return {"object": "list", "data": cards}
 
 
 def retrieve_model(state: ServerState, model_id: str) -> dict:
-    """`GET /v1/models/{id}`: the served model or one of its adapters, or a 404 for any other id."""
-    check_model({"model": model_id}, state.model_name, state.engine.lora_names)
+    """`GET /v1/models/{id}`: a served model or one of its adapters, or a 404 for any other id."""
+    state.models.check({"model": model_id})
     return model_card(state, model_id)
 
 
 def model_card(state: ServerState, name: str) -> dict:
-    """A served model, as OpenAI's model object (and its context length, as vLLM adds; an adapter's
-    `parent` is the base model, as vLLM has it)."""
-    card = {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve",
-            "max_model_len": state.engine.max_model_len}
-    if name != state.model_name:
-        card["parent"] = state.model_name
+    """A served model, as OpenAI's model object (and its context length, as vLLM adds, once the model
+    has been loaded; an adapter's `parent` is its base model, as vLLM has it). With several models
+    (issue 38), `loaded` says whether the model is resident now."""
+    slot = state.models.slot_of(name)
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "nanoserve"}
+    if slot.max_model_len is not None:
+        card["max_model_len"] = slot.max_model_len
+    if name != slot.name:
+        card["parent"] = slot.name
+    elif len(state.models.names) > 1:
+        card["loaded"] = slot.served is not None
     return card
 
 
@@ -134,13 +172,13 @@ async def read_json(state: ServerState, request: Request, model_required: bool =
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     if model_required or body.get("model") is not None:
-        check_model(body, state.model_name, state.engine.lora_names)
+        state.models.check(body)
     return body
 
 
-def check_length(state: ServerState, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+def check_length(model: ServedModel, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
     """400 unless the prompt and the tokens asked for fit the model's context."""
-    max_model_len = state.engine.max_model_len
+    max_model_len = model.engine.max_model_len
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt has "
                             f"{len(prompt_ids)} and max_tokens asks for {params.max_tokens} more",
@@ -150,16 +188,22 @@ def check_length(state: ServerState, prompt_ids: list[int], params: SamplingPara
 
 async def completions(state: ServerState, request: Request):
     """`POST /v1/completions`."""
+    arrival_time = time.perf_counter()  # TTFT counts from here: the model's load and the tokenizing too
     body = await read_json(state, request)
     check_fields(body, chat=False)
-    params = sampling_params_from(body, state.default_max_tokens)
-    params, n, echo = openai_fields(body, params, chat=False, vocab_size=state.engine.vocab_size)
-    prompts, names = completion_prompts(body.get("prompt"))
-    prompt_ids = [prompt_token_ids(state, p, name) for p, name in zip(prompts, names)]
-    for ids, name in zip(prompt_ids, names):
-        check_length(state, ids, params, name)
-    echoed = [p if isinstance(p, str) else state.engine.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
-    return await respond(state, request, body, prompt_ids, params, chat=False, n=n, echo=echoed if echo else None)
+    limit_requests(state, request)
+    async with state.models.use(body["model"]) as model:
+        params = sampling_params_from(body, state.default_max_tokens)
+        params, n, echo = openai_fields(body, params, chat=False, vocab_size=model.engine.vocab_size)
+        prompts, names = completion_prompts(body.get("prompt"))
+        prompt_ids = await asyncio.gather(*(state.off_loop(prompt_token_ids, model, p, name)
+                                            for p, name in zip(prompts, names)))
+        for ids, name in zip(prompt_ids, names):
+            check_length(model, ids, params, name)
+        limit_tokens(state, request, prompt_ids, params, n)
+        echoed = [p if isinstance(p, str) else model.engine.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+        return await respond(state, model, request, body, prompt_ids, params, chat=False, n=n,
+                             echo=echoed if echo else None, arrival_time=arrival_time)
 
 
 def completion_prompts(prompt: Any) -> tuple[list, list[str]]:
@@ -178,11 +222,11 @@ def completion_prompts(prompt: Any) -> tuple[list, list[str]]:
     return prompts, names
 
 
-def prompt_token_ids(state: ServerState, prompt: Any, param: str) -> list[int]:
+def prompt_token_ids(model: ServedModel, prompt: Any, param: str) -> list[int]:
     """One prompt of a completion request, a string or a list of token ids, as token ids."""
-    vocab_size = state.engine.vocab_size
+    vocab_size = model.engine.vocab_size
     if isinstance(prompt, str) and prompt:
-        return state.engine.tokenizer.encode(prompt)
+        return model.engine.tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    and 0 <= t < vocab_size for t in prompt):
         return list(prompt)  # already tokenized
@@ -192,24 +236,34 @@ def prompt_token_ids(state: ServerState, prompt: Any, param: str) -> list[int]:
 
 async def chat_completions(state: ServerState, request: Request):
     """`POST /v1/chat/completions`."""
+    arrival_time = time.perf_counter()  # TTFT counts from here: the model's load and the tokenizing too
     body = await read_json(state, request)
     check_fields(body, chat=True)
-    params = sampling_params_from(body, state.default_max_tokens)
-    params, n, _ = openai_fields(body, params, chat=True, vocab_size=state.engine.vocab_size)
-    messages = template_messages(body.get("messages"), state.engine.tokenizer.takes_tools)
-    tools, params = chat_tools(state, body, params)
+    limit_requests(state, request)
+    async with state.models.use(body["model"]) as model:
+        params = sampling_params_from(body, state.default_max_tokens)
+        params, n, _ = openai_fields(body, params, chat=True, vocab_size=model.engine.vocab_size)
+        messages = template_messages(body.get("messages"), model.engine.tokenizer.takes_tools)
+        tools, params = chat_tools(model, body, params)
+        prompt_ids = await state.off_loop(chat_prompt, model, messages, tools)
+        check_length(model, prompt_ids, params, "messages")
+        limit_tokens(state, request, [prompt_ids], params, n)
+        return await respond(state, model, request, body, [prompt_ids], params, chat=True, n=n, tools=tools,
+                             arrival_time=arrival_time)
+
+
+def chat_prompt(model: ServedModel, messages: list[dict], tools: ToolUse | None) -> list[int]:
+    """The prompt's token ids: the messages (and the tools) through the model's chat template."""
     try:
-        prompt_ids = state.engine.tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None)
+        return model.engine.tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    check_length(state, prompt_ids, params, "messages")
-    return await respond(state, request, body, [prompt_ids], params, chat=True, n=n, tools=tools)
 
 
-def chat_tools(state: ServerState, body: dict, params: SamplingParams) -> tuple[ToolUse | None, SamplingParams]:
+def chat_tools(model: ServedModel, body: dict, params: SamplingParams) -> tuple[ToolUse | None, SamplingParams]:
     """A chat request's tools (nanoserve/server/tools.py), and its params with the grammar of a call
     when `tool_choice` requires one."""
-    tokenizer = state.engine.tokenizer
+    tokenizer = model.engine.tokenizer
     try:
         tools = tool_use(body, tokenizer.tool_template, tokenizer.takes_tools)
         grammar = tools.grammar() if tools else None
@@ -223,24 +277,49 @@ def chat_tools(state: ServerState, body: dict, params: SamplingParams) -> tuple[
     return tools, dataclasses.replace(params, grammar=grammar)
 
 
+def limit_requests(state: ServerState, request: Request) -> None:
+    """Issue 38: one request from the client's request bucket, or a 429 (with rate limits on)."""
+    if state.rate_limits is not None:
+        state.rate_limits.take_request(client_of(state, request))
+
+
+def limit_tokens(state: ServerState, request: Request, prompt_ids: list[list[int]], params: SamplingParams,
+                 n: int) -> None:
+    """Issue 38: the request's tokens from the client's token bucket (every prompt, and max_tokens for
+    each of its n choices), or a 429."""
+    if state.rate_limits is not None:
+        tokens = sum(len(ids) + n * params.max_tokens for ids in prompt_ids)
+        state.rate_limits.take_tokens(client_of(state, request), tokens)
+
+
+def client_of(state: ServerState, request: Request) -> str:
+    """Whose buckets a request draws from: its API key (the `Guard` has checked it), or, on a server
+    without keys, its address."""
+    if state.api_key:
+        return request.headers.get("authorization", "").partition(" ")[2].strip()
+    return request.client.host if request.client else "unknown"
+
+
 # ---------------------------------------------------------------------------- the answers
 
 
-async def respond(state: ServerState, request: Request, body: dict, prompt_ids: list[list[int]],
+async def respond(state: ServerState, model: ServedModel, request: Request, body: dict, prompt_ids: list[list[int]],
                   params: SamplingParams, chat: bool, n: int = 1, echo: list[str] | None = None,
-                  tools: ToolUse | None = None):
-    """Generate n choices per prompt, all at once or streamed: choice k is the (k % n)-th of
-    prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front;
-    `tools`: a chat's tools, whose calls are parsed from the answers."""
+                  tools: ToolUse | None = None, arrival_time: float | None = None):
+    """Generate n choices per prompt on `model`, all at once or streamed: choice k is the (k % n)-th
+    of prompt k // n (OpenAI's order). `echo`: completions' prompt texts, to put in front; `tools`: a
+    chat's tools, whose calls are parsed from the answers; `arrival_time`: when the request came
+    (`time.perf_counter()`), which its TTFT counts from."""
     stream, include_usage = stream_fields(body)
-    priority = request_priority(body, state.engine.scheduling_policy)
+    priority = request_priority(body, model.engine.scheduling_policy)
     check_schema(body, chat)  # the last check before the engine: the body fits its published model
     kv_transfer = kv_transfer_params(body, prompt_ids, n, stream, echo)
     if kv_transfer is not None and isinstance(kv_transfer.get("prompt_token_ids"), list):
         prompt_ids = [kv_transfer["prompt_token_ids"]]  # a decode instance: the prompt whose KV comes
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    lora = body["model"] if body["model"] != state.model_name else None  # week 23: an adapter, by name
-    streams, firsts = await submit(state.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora)
+    lora = body["model"] if body["model"] != model.name else None  # week 23: an adapter, by name
+    streams, firsts = await submit(model.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora,
+                                   arrival_time)
     meta = dict(id=request_id, created=int(time.time()), model=body["model"])
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
     total = len(streams)
@@ -249,7 +328,7 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
         if echo is not None:  # a prompt's first choice has its logprobs (when asked), for all n
             outputs = with_echo(outputs, [echo[k // n] for k in range(total)],
                                 [firsts[k - k % n].prompt_logprobs for k in range(total)])
-        logprobs = StreamLogprobs(state.token_strings, chat)
+        logprobs = StreamLogprobs(model.token_strings, chat)
         tool_calls = no_tool_calls
         if tools is not None:  # text that may be a tool call is held back (nanoserve/server/tools.py)
             tool_calls = ToolCallStream(tools)
@@ -262,9 +341,9 @@ async def respond(state: ServerState, request: Request, body: dict, prompt_ids: 
         return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
                                        "param": None, "code": None}}, status_code=499)
     if chat:
-        answer = chat_completion(meta, lasts, tools, state.token_strings, prompt_tokens)
+        answer = chat_completion(meta, lasts, tools, model.token_strings, prompt_tokens)
     else:
-        answer = text_completion(meta, lasts, n, echo, state.token_strings, prompt_tokens)
+        answer = text_completion(meta, lasts, n, echo, model.token_strings, prompt_tokens)
     if kv_transfer is not None:  # issue 35, a prefill instance: what the decode instance needs (None: all done)
         answer["kv_transfer_params"] = lasts[0].kv_transfer
     return answer
@@ -287,7 +366,7 @@ def kv_transfer_params(body: dict, prompt_ids: list[list[int]], n: int, stream: 
 
 async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: SamplingParams, n: int,
                  priority: int, request_id: str, kv_transfer: dict | None = None,
-                 lora: str | None = None) -> tuple[list, list[RequestOutput]]:
+                 lora: str | None = None, arrival_time: float | None = None) -> tuple[list, list[RequestOutput]]:
     """Start every choice on the engine and await its first output: (the engine generators, their
     first outputs), choice k the (k % n)-th of prompt k // n. Every reason to refuse the request
     surfaces here, as an APIError, before a byte of the response is sent; the choices already
@@ -310,7 +389,8 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
             for k in wave:
                 name = request_id if total == 1 else f"{request_id}-{k}"
                 streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
-                                             request_id=name, kv_transfer=kv_transfer, lora=lora)
+                                             request_id=name, kv_transfer=kv_transfer, lora=lora,
+                                             arrival_time=arrival_time)
             # admission errors surface here, before any byte is sent
             results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
             for k, result in zip(wave, results):

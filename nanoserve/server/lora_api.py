@@ -45,22 +45,32 @@ LORA_REQUEST_MODELS = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 async def load_adapter(state: ServerState, request: Request) -> dict:
     body = await read_json(state, request, model_required=False)
     req = validated(LoadLoRAAdapterRequest, body, LOAD_PATH, DOCS)
-    if req.lora_name == state.model_name:
+    if req.lora_name in state.models.names:
         raise APIError(400, f"'{req.lora_name}' is the served model's name: pick another", param="lora_name")
-    await change(state, state.engine.load_lora(req.lora_name, req.lora_path), req.lora_name)
+    async with state.models.use(only_model(state)) as model:
+        await change(model.engine.load_lora(req.lora_name, req.lora_path), req.lora_name)
     return {"object": "lora_adapter", "id": req.lora_name, "loaded": True}
 
 
 async def unload_adapter(state: ServerState, request: Request) -> dict:
     body = await read_json(state, request, model_required=False)
     req = validated(UnloadLoRAAdapterRequest, body, UNLOAD_PATH, DOCS)
-    if req.lora_name not in state.engine.lora_names:
-        raise APIError(404, f"no adapter '{req.lora_name}' is loaded", param="lora_name", code="model_not_found")
-    await change(state, state.engine.unload_lora(req.lora_name), req.lora_name)
+    async with state.models.use(only_model(state)) as model:
+        if req.lora_name not in model.engine.lora_names:
+            raise APIError(404, f"no adapter '{req.lora_name}' is loaded", param="lora_name", code="model_not_found")
+        await change(model.engine.unload_lora(req.lora_name), req.lora_name)
     return {"object": "lora_adapter", "id": req.lora_name, "loaded": False}
 
 
-async def change(state: ServerState, done, name: str) -> None:
+def only_model(state: ServerState) -> str:
+    """The model adapters are loaded into: the server's one model (issue 38: with several, not yet)."""
+    if len(state.models.names) > 1:
+        raise APIError(400, "this server serves several models: loading LoRA adapters at run time needs a server "
+                            "of one model (not built yet for several)", param="lora_name")
+    return state.models.default
+
+
+async def change(done, name: str) -> None:
     """Await a load or unload on the engine thread; what it refuses is a 400."""
     try:
         await done
@@ -69,9 +79,10 @@ async def change(state: ServerState, done, name: str) -> None:
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    """The two routes, on the server's app (and no adapter named as the served model: it would be unreachable)."""
-    if state.model_name in state.engine.lora_names:
-        raise ValueError(f"an adapter is named {state.model_name!r}, as the served model: rename one of them")
+    """The two routes, on the server's app (and no adapter named as a served model: it would be unreachable)."""
+    taken = set(state.models.names) & set(state.models.adapter_names())
+    if taken:
+        raise ValueError(f"an adapter is named {sorted(taken)[0]!r}, as the served model: rename one of them")
 
     @app.post(LOAD_PATH, openapi_extra=request_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request):

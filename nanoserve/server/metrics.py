@@ -9,7 +9,9 @@ Three kinds of numbers, each gathered where it costs the engine nothing:
 - **per HTTP response**: its endpoint and status, counted by the `Guard` middleware.
 - **the engine's state**: running and waiting sequences, KV blocks, preemptions, prefix-cache
   counters (week 24: the tokens routed to each expert). Nobody updates these: `EngineCollector`
-  reads them at scrape time.
+  reads them at scrape time. Issue 38: with several models, each loaded model's series carry a
+  `model` label (`ModelsCollector`), beside which models are loaded, their loads and unloads, and
+  the requests the rate limits refused.
 
 The exposition format, the histograms' bookkeeping and the parser the tests use all come from
 `prometheus-client`; the names follow the style users know from vLLM (`nanoserve:` prefix,
@@ -29,10 +31,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.outputs import RequestOutput
+from nanoserve.server.models import ModelRegistry
+from nanoserve.server.rate_limits import RateLimiter
 
 # Bucket upper bounds, in seconds or tokens: fine where the targets live (tens of ms), coarse beyond.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,6 +45,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+UNKNOWN_CONTEXT = 2048  # the length buckets' top when no model has been loaded yet
 
 
 def length_buckets(max_len: int) -> tuple[int, ...]:
@@ -53,9 +58,10 @@ def length_buckets(max_len: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    """The server's metrics, in a registry of their own (two apps in one process never mix)."""
+    """The server's metrics, in a registry of their own (two apps in one process never mix), of
+    the models in `models` (issue 38: one or several) and the refusals of `rate_limits`."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, models: ModelRegistry, rate_limits: RateLimiter | None = None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("nanoserve:request_success", "Finished requests, by finish reason",
                                 ["finished_reason"], registry=r)
@@ -72,12 +78,13 @@ class ServerMetrics:
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("nanoserve:request_queue_time_seconds", "Arrival to the first KV blocks",
                                     buckets=REQUEST_BUCKETS, registry=r)
-        lengths = length_buckets(engine.max_model_len)
+        lengths = length_buckets(max((slot.max_model_len or 0 for slot in models.slots.values()), default=0)
+                                 or UNKNOWN_CONTEXT)
         self.prompt_len = Histogram("nanoserve:request_prompt_tokens", "Prompt length of finished requests",
                                     buckets=lengths, registry=r)
         self.output_len = Histogram("nanoserve:request_generation_tokens", "Output length of finished requests",
                                     buckets=lengths, registry=r)
-        r.register(EngineCollector(engine))
+        r.register(ModelsCollector(models, rate_limits))
 
     def observe_request(self, output: RequestOutput, options: dict | None = None) -> None:
         """Record a finished request (an `AsyncEngine` listener). Its tokens' latencies count
@@ -155,6 +162,52 @@ class EngineCollector:
         yield from cpu_tier_metrics(self.engine.stats().get("prefix_cache"))
         yield from kv_transfer_metrics(self.engine.stats().get("kv_transfer"))
         yield from expert_load_metrics(s.get("expert_load"))
+
+
+class ModelsCollector:
+    """Issue 38: `EngineCollector` over every loaded model, read through the registry at scrape time
+    (so an unloaded engine is never kept alive by its collector). One model's series are week 16's;
+    with several, each model's carry a `model` label. Then the models' own: loaded or not, loads,
+    unloads by reason (lru: evicted for another; operator: POST .../unload); and with rate limits,
+    the requests they refused."""
+
+    def __init__(self, models: ModelRegistry, rate_limits: RateLimiter | None = None):
+        self.models, self.rate_limits = models, rate_limits
+
+    def collect(self):
+        loaded = self.models.loaded()
+        if len(self.models.names) == 1:
+            for served in loaded:
+                yield from EngineCollector(served.engine).collect()
+        else:
+            merged: dict[str, Metric] = {}  # one family per name, a sample per model
+            for served in loaded:
+                for family in EngineCollector(served.engine).collect():
+                    into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                    for sample in family.samples:
+                        into.add_sample(sample.name, {**sample.labels, "model": served.name}, sample.value)
+            yield from merged.values()
+        yield from model_metrics(self.models)
+        if self.rate_limits is not None:
+            refused = CounterMetricFamily("nanoserve:rate_limited_requests", "Requests refused with a 429 by the rate "
+                                          "limits, by limit (requests or tokens per minute)", labels=["limit"])
+            for limit in ("requests", "tokens"):
+                refused.add_metric([limit], self.rate_limits.refused[limit])
+            yield refused
+
+
+def model_metrics(models: ModelRegistry):
+    """Issue 38: each model's state, loads and unloads."""
+    loaded = GaugeMetricFamily("nanoserve:model_loaded", "1 while the model is resident, else 0", labels=["model"])
+    loads = CounterMetricFamily("nanoserve:model_loads", "Times the model was loaded", labels=["model"])
+    unloads = CounterMetricFamily("nanoserve:model_unloads", "Times the model was unloaded, by reason (lru: evicted "
+                                  "for another model; operator: POST /v1/models/{name}/unload)", labels=["model", "reason"])
+    for slot in models.slots.values():
+        loaded.add_metric([slot.name], float(slot.served is not None))
+        loads.add_metric([slot.name], slot.loads)
+        for reason, count in slot.unloads.items():
+            unloads.add_metric([slot.name, reason], count)
+    yield from (loaded, loads, unloads)
 
 
 def expert_load_metrics(load: dict[int, list[int]] | None):

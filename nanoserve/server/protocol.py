@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -277,16 +278,24 @@ def check_schema(body: dict, chat: bool) -> None:
         raise APIError(400, message, param=param or None) from None
 
 
-def check_model(body: dict, model_name: str, adapters: tuple[str, ...] = ()) -> None:
-    """400 without a string `model`; 404 for a model other than the one this server serves or one
-    of its LoRA adapters (week 23: a request names an adapter as its model, as with vLLM)."""
+def check_model(body: dict, model_names: str | Sequence[str], adapters: Sequence[str] = ()) -> None:
+    """400 without a string `model`; 404 for a model other than the ones this server serves
+    (issue 38: one or several) or their LoRA adapters (week 23: a request names an adapter as its
+    model, as with vLLM)."""
     model = _get(body, "model", (str,))
     if model is None:
         raise APIError(400, "'model' is required", param="model")
-    if model != model_name and model not in adapters:
-        also = f" and the adapters {', '.join(adapters)}" if adapters else ""
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'{also}",
-                       param="model", code="model_not_found")
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
+    if model not in names and model not in adapters:
+        raise model_not_found(model, names, adapters)
+
+
+def model_not_found(model: str, model_names: Sequence[str], adapters: Sequence[str] = ()) -> APIError:
+    """The 404 for a `model` this server does not serve, naming the ones it does."""
+    served = ", ".join(f"'{name}'" for name in model_names)
+    also = f" and the adapters {', '.join(adapters)}" if adapters else ""
+    return APIError(404, f"the model '{model}' does not exist; this server serves {served}{also}",
+                    param="model", code="model_not_found")
 
 
 def stream_fields(body: dict) -> tuple[bool, bool]:

@@ -1,6 +1,6 @@
-"""Week 10: the server's handlers are plain functions of a `ServerState` and the request, so they
-can be called without HTTP, a model or an engine thread: here with a stand-in for the
-`AsyncEngine` that only answers what the server may ask of it."""
+"""Week 10: the server's handlers are plain functions of a `ServerState` (and of the `ServedModel` a
+request names) and the request, so they can be called without HTTP, a model or an engine thread:
+here with a stand-in for the `AsyncEngine` that only answers what the server may ask of it."""
 
 import asyncio
 import json
@@ -11,17 +11,24 @@ import pytest
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.server import handlers
 from nanoserve.server.handlers import ServerState
+from nanoserve.server.models import ModelRegistry, ServedModel
 from nanoserve.server.protocol import APIError
 
 
 def fake_engine(failed: str | None = None) -> SimpleNamespace:
     tokenizer = SimpleNamespace(encode=lambda text: [1] * len(text.split()), takes_tools=False)
     return SimpleNamespace(tokenizer=tokenizer, max_model_len=32, vocab_size=100, failed=failed,
-                           num_pending=2, kv_blocks=lambda: (5, 8), scheduling_policy="fcfs", lora_names=())
+                           num_pending=2, kv_blocks=lambda: (5, 8), scheduling_policy="fcfs", lora_names=(),
+                           listeners=[])
 
 
 def state(**kwargs) -> ServerState:
-    return ServerState(fake_engine(**kwargs), "tiny", created=1234)
+    return ServerState(ModelRegistry.serving(fake_engine(**kwargs), "tiny"), created=1234)
+
+
+def model(**kwargs) -> ServedModel:
+    """The served model, as a handler gets it for a request that names it."""
+    return state(**kwargs).models.loaded()[0]
 
 
 class FakeRequest:
@@ -56,7 +63,7 @@ def test_read_json_checks_the_body_and_the_model():
 
 
 def test_check_length_names_the_culprit():
-    s = state()  # a context of 32 tokens
+    s = model()  # a context of 32 tokens
     handlers.check_length(s, [1] * 16, SamplingParams(max_tokens=16), "prompt")
     with pytest.raises(APIError) as e:
         handlers.check_length(s, [1] * 16, SamplingParams(max_tokens=17), "prompt")
@@ -75,8 +82,8 @@ def test_completion_prompts():
     assert e.value.param == "prompt[1]"
     prompts, names = handlers.completion_prompts(None)  # no prompt: the token-id check names it
     with pytest.raises(APIError) as e:
-        handlers.prompt_token_ids(state(), prompts[0], names[0])
+        handlers.prompt_token_ids(model(), prompts[0], names[0])
     assert e.value.param == "prompt"
-    assert handlers.prompt_token_ids(state(), "two words", "prompt") == [1, 1]
+    assert handlers.prompt_token_ids(model(), "two words", "prompt") == [1, 1]
     with pytest.raises(APIError):
-        handlers.prompt_token_ids(state(), [5, 100], "prompt")  # 100 is outside the vocabulary
+        handlers.prompt_token_ids(model(), [5, 100], "prompt")  # 100 is outside the vocabulary
