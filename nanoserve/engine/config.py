@@ -333,14 +333,19 @@ def add_lora_arguments(p) -> None:
                    help="the largest adapter rank accepted (week 23; default: 16 with LoRA on)")
 
 
-def parse_lora_modules(specs: list[str]) -> dict[str, str]:
-    """["NAME=PATH", ...] -> {NAME: PATH}; a malformed or repeated name is a one-line error."""
-    modules: dict[str, str] = {}
+def parse_named_paths(specs: list[str], flag: str) -> dict[str, str]:
+    """["NAME=PATH", ...] -> {NAME: PATH}; a malformed or repeated name is a one-line error naming `flag`."""
+    named: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
-        if name in modules:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        modules[name] = path
-    return modules
+            raise ValueError(f"{flag} takes NAME=PATH, got {spec!r}")
+        if name in named:
+            raise ValueError(f"{flag} names {name!r} twice")
+        named[name] = path
+    return named
+
+
+def parse_lora_modules(specs: list[str]) -> dict[str, str]:
+    """`--lora-modules NAME=PATH ...` -> {NAME: PATH} (week 23)."""
+    return parse_named_paths(specs, "--lora-modules")

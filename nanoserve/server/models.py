@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nanoserve.engine.async_engine import AsyncEngine
+from nanoserve.engine.config import parse_named_paths
 from nanoserve.engine.device import release_cached_memory
 from nanoserve.server.protocol import APIError, check_model, model_not_found
 from nanoserve.server.streaming import TokenStrings
@@ -285,12 +286,4 @@ def parse_models(specs: Sequence[str], served_name: str | None = None) -> dict[s
     if served_name is not None:
         raise ValueError("--served-model-name names the one model of --model PATH: with several, name each one "
                          "as --model NAME=PATH")
-    models: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"with several models, each --model is NAME=PATH, got {spec!r}")
-        if name in models:
-            raise ValueError(f"--model names {name!r} twice")
-        models[name] = path
-    return models
+    return parse_named_paths(specs, "--model (with several models, each)")

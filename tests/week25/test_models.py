@@ -218,7 +218,7 @@ def test_the_command_line_names_the_models(other_model):
     several = args("--model", "a=tiny", "--model", f"b={other_model}", "--max-loaded-models", "1")
     assert several.models == {"a": "tiny", "b": other_model} and several.max_loaded_models == 1
     for argv, message in [(["--model", "a=tiny", "--model", "a=tiny"], "names 'a' twice"),
-                          (["--model", "a=tiny", "--model", "tiny"], "each --model is NAME=PATH"),
+                          (["--model", "a=tiny", "--model", "tiny"], "takes NAME=PATH"),
                           (["--model", "a=tiny", "--model", "b=tiny", "-tp", "2"], "--tensor-parallel-size"),
                           (["--model", "a=tiny", "--model", "b=tiny", "--lora-modules", "x=/y"], "--lora-modules"),
                           (["--model", "a=tiny", "--model", "b=tiny", "--served-model-name", "c"], "--served-model-name"),
