@@ -64,7 +64,10 @@ def test_bench_serving_forwards_every_engine_option_to_the_server():
                          "--enable-prefix-caching", "--enable-chunked-prefill", "--scheduling-policy", "priority",
                          "--gpu-memory-utilization", "0.7", "--attention-backend", "torch", "--device", "cpu",
                          "--distributed-executor", "ray", "--ray-placement", "spread"])
+    from nanoserve.server.serve import split_models
+
     served = build_parser().parse_args(["serve", "--model", args.model] + engine_options(args))
+    split_models(served)  # as `nanoserve serve` does: --model may name several (issue 38)
     assert EngineConfig.from_args(served) == EngineConfig.from_args(args)
 
 

@@ -234,7 +234,10 @@ def test_the_model_is_read_from_a_folder_a_file_or_a_name(config_file):
 
 
 def serve_args(*argv: str):
+    from nanoserve.server.serve import split_models
+
     args = build_parser().parse_args(["serve", *argv])
+    split_models(args)  # as `nanoserve serve` does before planning: --model may name several (issue 38)
     args.argv = ["serve", *argv]
     return args
 
