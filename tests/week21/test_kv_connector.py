@@ -72,6 +72,11 @@ def test_blocks_land_bit_for_bit_in_the_blocks_the_decode_side_chose(pair):
     assert all(x.seconds > 0 for x in landed)
     src, dst = prefill.cache, decode.cache
     assert torch.equal(dst.k[:, [9, 6, 2]], src.k[:, [3, 1, 8]]) and torch.equal(dst.v[:, [0]], src.v[:, [5]])
+    # The prefill side counts a send once its own send call returns, which can be a moment after the
+    # decode side has the bytes: wait for it rather than race it.
+    deadline = time.monotonic() + 10.0
+    while prefill.stats()["sent"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert prefill.stats()["sent"] == 2 and decode.stats()["received"] == 2
     assert prefill.num_waiting() == decode.num_waiting() == 0
 
