@@ -126,7 +126,7 @@ class ToolBox:
             return ToolResult(await asyncio.wait_for(asyncio.to_thread(tool.run, arguments), self.timeout), False)
         except ToolFailure as e:
             return ToolResult(f"{tool.name}: {e}", True)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             return ToolResult(f"{tool.name} timed out after {self.timeout:g} s", True)
 
     async def start(self) -> None:

@@ -10,7 +10,7 @@ import os
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ImageContent, TextContent
 
-server = MCPServer("echo")
+server = MCPServer("echo", log_level="CRITICAL")
 
 
 @server.tool(description="Answer with the text it is given.")
