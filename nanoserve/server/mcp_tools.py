@@ -150,7 +150,10 @@ class MCPServers:
             return f"MCP server {server!r} is not running", True
         done = asyncio.get_running_loop().create_future()
         self.queue.put_nowait(Call(server, tool, arguments, timeout, done))
-        return await done
+        try:  # the owner answers within `timeout`; the margin only guards against a bug there
+            return await asyncio.wait_for(done, timeout + 5.0)
+        except asyncio.TimeoutError:
+            return f"tool {tool!r} of MCP server {server!r} got no answer", True
 
     async def close(self) -> None:
         """End every session and process; idempotent."""
@@ -219,6 +222,7 @@ class MCPServers:
         import anyio
 
         what = f"tool {call.tool!r} of MCP server {call.server!r}"
+        outcome = f"{what} was stopped: the MCP servers are shutting down", True  # if cancelled by close()
         try:
             if call.server in self.gone:
                 raise ConnectionError("not called")
@@ -231,8 +235,9 @@ class MCPServers:
             if getattr(e, "code", None) == self.mcp.types.CONNECTION_CLOSED:
                 self.gone.add(call.server)
             outcome = f"{what} failed: {one_line(e)}" + (GONE if call.server in self.gone else ""), True
-        if not call.done.done():  # the caller may have gone (its request cancelled)
-            call.done.set_result(outcome)
+        finally:
+            if not call.done.done():  # the caller may have gone (its request cancelled)
+                call.done.set_result(outcome)
 
 
 def describe_result(result) -> str:

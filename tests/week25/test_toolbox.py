@@ -9,7 +9,10 @@ Every problem of the flags or of the config file is a one-line error."""
 
 import asyncio
 import json
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -256,7 +259,8 @@ def test_app_serves_v1_tools_behind_the_key_and_stops_the_mcp_servers(tmp_path):
         state = server.app.state.server
         assert state.toolbox is toolbox and state.max_tool_rounds == 2 and toolbox.timeout == 3
         assert len(children()) == 2
-    assert children() == []  # the app's lifespan closed the toolbox
+    assert toolbox.mcp_tools == {} and toolbox.mcp.owner is None  # the app's lifespan closed the toolbox
+    assert children() == []
 
 
 def test_serve_refuses_tool_flags_before_anything_loads(tmp_path, capsys):
@@ -272,3 +276,32 @@ def test_serve_refuses_tool_flags_before_anything_loads(tmp_path, capsys):
         assert main(["serve", "--model", "tiny", "--port", port, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_sigterm_of_nanoserve_serve_ends_its_mcp_servers(tmp_path):
+    """The real command: its MCP server runs while it serves, and SIGTERM (docker, systemd) ends both."""
+    port = free_ports(1)
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny", "--device", "cpu", "--port", str(port),
+           "--mcp-config", mcp_config(tmp_path, echo()), "--log-level", "warning"]
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a leaked child would hold it open
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                tools = httpx.get(f"http://127.0.0.1:{port}/v1/tools", timeout=2).json()["data"]
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "nanoserve serve did not start"
+                time.sleep(0.2)
+        assert "echo__echo" in [tool["function"]["name"] for tool in tools]
+        mcp_servers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(mcp_servers) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(mcp_servers, timeout=10)
+        assert not alive, "the MCP server outlived nanoserve serve"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
