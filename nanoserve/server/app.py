@@ -52,7 +52,7 @@ from nanoserve.server.protocol import APIError
 from nanoserve.server.rate_limits import RateLimiter
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
 from nanoserve.server.tokenizer_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox, tools_page
+from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox, add_tools_route
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -339,8 +339,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     JSON line per finished request on the `nanoserve.requests` logger. `allowed_hosts`,
     `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for a server on
     loopback; `allowed_hosts_for` gives them for another address). `rate_limits`: issue 38's buckets
-    per API key (nanoserve/server/rate_limits.py). `toolbox`: issue 38's server-side tools, started
-    and closed with the app (`GET /v1/tools` lists them); `max_tool_rounds`: for the tool loop."""
+    per API key (nanoserve/server/rate_limits.py). `toolbox`, `max_tool_rounds`: issue 38's server tools."""
     state = server_state(engine, model_name, metrics, log_requests, rate_limits, api_key=api_key,
                          max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
                          toolbox=toolbox, max_tool_rounds=max_tool_rounds)
@@ -393,11 +392,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
         return await tokenizer_api.tokenizer_info(state)
-
-    @app.get("/v1/tools")  # issue 38: the server's own tools, in OpenAI's tools format
-    async def tools():
-        return tools_page(state.toolbox)
-
+    add_tools_route(app, state.toolbox)  # issue 38: GET /v1/tools
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
     models_api.add_routes(app, state)  # issue 38: load and unload models
 

@@ -82,6 +82,11 @@ def add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                     help="seconds a request's KV may take to land before the request fails with a 504 "
                          "(default: %(default)g)")
+    add_tool_arguments(srv)
+
+
+def add_tool_arguments(srv: argparse.ArgumentParser) -> None:
+    """Issue 38: the server's own tools (nanoserve/server/toolbox.py)."""
     tools = srv.add_argument_group("server-side tools (issue 38, docs/agents.md)")
     tools.add_argument("--server-tools", default=None, metavar="NAMES",
                        help="built-in tools the server owns and runs itself, comma-separated: calculator, "

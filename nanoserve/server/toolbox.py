@@ -161,3 +161,11 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
 def tools_page(toolbox: ToolBox | None) -> dict:
     """`GET /v1/tools`: the server's tools in OpenAI's format."""
     return {"object": "list", "data": toolbox.specs() if toolbox is not None else []}
+
+
+def add_tools_route(app, toolbox: ToolBox | None) -> None:
+    """`GET /v1/tools` on `app` (a FastAPI app; behind its API key like the other routes)."""
+
+    @app.get("/v1/tools")
+    async def tools():
+        return tools_page(toolbox)
