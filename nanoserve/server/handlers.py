@@ -92,7 +92,10 @@ class ServerState:
         """The app's lifespan (FastAPI's): the toolbox's MCP servers start before the first request
         and stop with the app; the tokenizer threads end with it."""
         if self.toolbox is not None:
-            await self.toolbox.start()  # a failure stops the start-up: uvicorn exits
+            try:  # an MCP server that fails to start stops the start-up: uvicorn says why and exits
+                await self.toolbox.start()
+            except ValueError as e:  # ToolBoxError: its one line, without the frames below
+                raise type(e)(str(e)) from None
         try:
             yield
         finally:

@@ -57,10 +57,16 @@ class MCPTool:
     parameters: dict  # its inputSchema
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line; an exception group as its first leaf (anyio wraps errors in them)."""
-    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # an exception group
+def leaf(exc: BaseException) -> BaseException:
+    """An exception group's first leaf (anyio's task groups wrap what crosses them), or `exc`."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:
         exc = exc.exceptions[0]
+    return exc
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line (an exception group as its first leaf)."""
+    exc = leaf(exc)
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 
@@ -140,7 +146,11 @@ class MCPServers:
         self.queue = asyncio.Queue()
         ready = asyncio.get_running_loop().create_future()
         self.owner = asyncio.create_task(self.own(ready), name="nanoserve-mcp")
-        self.tools = await ready
+        try:
+            self.tools = await ready
+        except BaseException:
+            self.owner = None  # nothing runs (the owner closed what it had opened); start() may try again
+            raise
         return self.tools
 
     async def call(self, server: str, tool: str, arguments: dict, timeout: float):
@@ -180,7 +190,8 @@ class MCPServers:
                     group.cancel_scope.cancel()  # calls still running end now
         except Exception as e:
             if not ready.done():
-                ready.set_exception(e if isinstance(e, ToolBoxError) else ToolBoxError(f"MCP: {one_line(e)}"))
+                e = leaf(e)
+                ready.set_exception(e if isinstance(e, ToolBoxError) else ToolBoxError(f"MCP servers: {one_line(e)}"))
             else:
                 logger.error("the MCP servers' task failed: %s", one_line(e))
 
