@@ -305,3 +305,11 @@ def test_sigterm_of_nanoserve_serve_ends_its_mcp_servers(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_mcp_is_imported_only_for_mcp_config(tmp_path, monkeypatch):
+    code = "import sys; from nanoserve.server.toolbox import ToolBox; ToolBox.from_options('calculator'); print('mcp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    monkeypatch.setitem(sys.modules, "mcp", None)  # as if the SDK were not installed
+    with pytest.raises(ToolBoxError, match=r"pip install 'nanoserve\[agents\]'"):
+        ToolBox.from_options(mcp_config=mcp_config(tmp_path, echo()))
