@@ -52,6 +52,7 @@ from nanoserve.server.protocol import APIError
 from nanoserve.server.rate_limits import RateLimiter
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
 from nanoserve.server.tokenizer_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox, add_tools_route
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -328,7 +329,8 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = 16,
                metrics: bool | None = None, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS, allowed_origins: Sequence[str] = (),
-               public_docs: bool = False, rate_limits: RateLimiter | None = None) -> FastAPI:
+               public_docs: bool = False, rate_limits: RateLimiter | None = None, toolbox: ToolBox | None = None,
+               max_tool_rounds: int = MAX_TOOL_ROUNDS) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
     with the server's `ServerState` (also at `app.state.server`). `engine`: the engine of the one
     model served, as `model_name`; or (issue 38) a `ModelRegistry` of several. `metrics`: serve `GET
@@ -337,9 +339,10 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     JSON line per finished request on the `nanoserve.requests` logger. `allowed_hosts`,
     `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for a server on
     loopback; `allowed_hosts_for` gives them for another address). `rate_limits`: issue 38's buckets
-    per API key (nanoserve/server/rate_limits.py)."""
+    per API key (nanoserve/server/rate_limits.py). `toolbox`, `max_tool_rounds`: issue 38's server tools."""
     state = server_state(engine, model_name, metrics, log_requests, rate_limits, api_key=api_key,
-                         max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
+                         max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+                         toolbox=toolbox, max_tool_rounds=max_tool_rounds)
     app = FastAPI(title="nanoserve", version="0.1.0", lifespan=state.lifespan)
     app.state.server, app.state.metrics = state, state.metrics
 
@@ -389,6 +392,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
     async def tokenizer_info():
         return await tokenizer_api.tokenizer_info(state)
+    add_tools_route(app, state.toolbox)  # issue 38: GET /v1/tools
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
     models_api.add_routes(app, state)  # issue 38: load and unload models
 

@@ -82,3 +82,24 @@ def add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     pd.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                     help="seconds a request's KV may take to land before the request fails with a 504 "
                          "(default: %(default)g)")
+    add_tool_arguments(srv)
+
+
+def add_tool_arguments(srv: argparse.ArgumentParser) -> None:
+    """Issue 38: the server's own tools (nanoserve/server/toolbox.py)."""
+    tools = srv.add_argument_group("server-side tools (issue 38, docs/agents.md)")
+    tools.add_argument("--server-tools", default=None, metavar="NAMES",
+                       help="built-in tools the server owns and runs itself, comma-separated: calculator, "
+                            "current_time, read_file, list_files (the last two need --tools-dir; default: none)")
+    tools.add_argument("--tools-dir", default=None, metavar="DIR",
+                       help="the folder read_file and list_files read; nothing outside it (default: none)")
+    tools.add_argument("--mcp-config", default=None, metavar="FILE",
+                       help='a JSON file {"mcpServers": {"NAME": {"command": ..., "args": [...], "env": {...}}}}: '
+                            "MCP servers started over stdio with the server and stopped with it, their tools "
+                            "served as NAME__TOOL (needs pip install 'nanoserve[agents]'; default: none)")
+    tools.add_argument("--tool-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds a server-side tool call may take before it becomes an error result for "
+                            "the model (default: %(default)g)")
+    tools.add_argument("--max-tool-rounds", type=int, default=4, metavar="N",
+                       help="used by the tool loop: rounds of server-side tool calls in one request before "
+                            "the answer goes back to the client (default: %(default)s)")

@@ -60,6 +60,7 @@ from nanoserve.server.streaming import (
     text_completion,
     with_echo,
 )
+from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox
 from nanoserve.server.tools import ToolCallStream, ToolError, ToolUse, tool_use
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: prompts for a 1B model do not need more
@@ -83,12 +84,24 @@ class ServerState:
     rate_limits: RateLimiter | None = None  # issue 38: --rate-limit-rpm / --rate-limit-tpm, when set
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanoserve-tokenizer"))
+    toolbox: ToolBox | None = None  # issue 38: the server's own tools (--server-tools, --mcp-config)
+    max_tool_rounds: int = MAX_TOOL_ROUNDS  # issue 38: used by the tool loop (--max-tool-rounds)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        """The app's lifespan (FastAPI's): the tokenizer threads end with it."""
-        yield
-        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        """The app's lifespan (FastAPI's): the toolbox's MCP servers start before the first request
+        and stop with the app; the tokenizer threads end with it."""
+        if self.toolbox is not None:
+            try:  # an MCP server that fails to start stops the start-up: uvicorn says why and exits
+                await self.toolbox.start()
+            except ValueError as e:  # ToolBoxError: its one line, without the frames below
+                raise type(e)(str(e)) from None
+        try:
+            yield
+        finally:
+            if self.toolbox is not None:
+                await self.toolbox.close()
+            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def off_loop(self, work, *args):
         """`work(*args)` on a tokenizer thread (issue 38): a prompt of 100,000 characters takes about

@@ -20,10 +20,12 @@ from nanoserve.server.data_parallel import exit_on_signal
 from nanoserve.server.http11 import OpenAIErrorH11Protocol
 from nanoserve.server.models import ModelRegistry, parse_models
 from nanoserve.server.rate_limits import RateLimiter
+from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, TOOL_TIMEOUT, ToolBox
 
 
 def serve_models(args: argparse.Namespace) -> int:
     """One process, its model(s) (issue 38: several, `args.models`) each on its own engine thread."""
+    toolbox = build_toolbox(args)  # before any model loads: a bad --mcp-config is a one-line error now
     limits = None
     if args.rate_limit_rpm is not None or args.rate_limit_tpm is not None:
         limits = RateLimiter(args.rate_limit_rpm, args.rate_limit_tpm)
@@ -39,7 +41,7 @@ def serve_models(args: argparse.Namespace) -> int:
             engine.shutdown()
         raise
     app = create_app(registry, metrics=args.metrics, log_requests=args.log_requests, rate_limits=limits,
-                     **guard_options(args))
+                     toolbox=toolbox, max_tool_rounds=args.max_tool_rounds, **guard_options(args))
     for name, engine in preloaded.items():
         described = describe(engine.engine) + (f", the {args.kv_role} instance of a pair (KV over "
                                                f"{args.kv_connector}, {args.kv_address})" if args.kv_role else "")
@@ -55,6 +57,34 @@ def serve_models(args: argparse.Namespace) -> int:
         registry.close()  # each engine thread, then each engine's other ranks
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def build_toolbox(args: argparse.Namespace) -> ToolBox | None:
+    """Issue 38: the server's own tools from --server-tools, --tools-dir, --mcp-config and --tool-timeout,
+    or None when none is asked for (the app starts the MCP servers in its lifespan)."""
+    if args.server_tools is None and args.mcp_config is None:
+        return None
+    return ToolBox.from_options(args.server_tools, args.tools_dir, args.mcp_config, args.tool_timeout)
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """Issue 38: the server-side tools' flags, checked before anything starts. A flag that nothing
+    would read is refused rather than ignored."""
+    asked = args.server_tools is not None or args.mcp_config is not None
+    if not asked:
+        unread = [flag for flag, on in (("--tools-dir", args.tools_dir is not None),
+                                        ("--tool-timeout", args.tool_timeout != TOOL_TIMEOUT),
+                                        ("--max-tool-rounds", args.max_tool_rounds != MAX_TOOL_ROUNDS)) if on]
+        if unread:
+            raise ValueError(f"{', '.join(unread)} apply to server-side tools: give --server-tools or --mcp-config")
+        return
+    if args.tool_timeout <= 0 or args.max_tool_rounds < 1:
+        raise ValueError("--tool-timeout must be more than 0 seconds and --max-tool-rounds at least 1")
+    refused = [flag for flag, on in (
+        ("--data-parallel-size", args.data_parallel_size > 1), ("--disaggregated", args.disaggregated),
+        ("--role", args.kv_role), ("--prefill-url", args.prefill_url)) if on]
+    if refused:
+        raise ValueError(f"server-side tools (issue 38) do not work with {', '.join(refused)} yet")
 
 
 def engine_builder(args: argparse.Namespace, name: str, path: str):
@@ -78,6 +108,7 @@ def split_models(args: argparse.Namespace) -> None:
     process: what spreads a model over processes or instances is refused with them (not yet)."""
     args.models = parse_models(args.model or ["tiny"], args.served_model_name)
     args.model = next(iter(args.models.values()))
+    check_tool_flags(args)
     if args.max_loaded_models is not None and args.max_loaded_models < 1:  # before any model loads
         raise ValueError(f"--max-loaded-models must be at least 1, got {args.max_loaded_models}")
     if len(args.models) == 1:
