@@ -190,6 +190,7 @@ def test_an_unload_with_requests_in_flight_is_refused(other_model):
         assert operator(s.url, "other", "unload").status_code == 200
 
 
+@pytest.mark.exercise("load-model")
 def test_operator_endpoints_are_behind_the_api_key(other_model):
     app = "https://ops.example"
     with ModelsServer({"tiny": "tiny", "other": other_model}, api_key=["k1", "k2"], allowed_origins=[app]) as s:
@@ -232,6 +233,7 @@ def test_the_command_line_names_the_models(other_model):
     assert parse_models(["x=y"]) == {"x": "y"}
 
 
+@pytest.mark.exercise("load-model", "token-bucket")
 def test_nanoserve_serve_with_two_models(other_model, expected, monkeypatch, capsys):
     """`nanoserve serve` with two models, one resident: its app, served as uvicorn.run would serve it
     (in this process), loads the other for a request; every engine is shut down when it returns."""

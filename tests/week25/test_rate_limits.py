@@ -66,6 +66,7 @@ def test_tokens_per_minute_and_a_request_that_could_never_pass():
         RateLimiter(requests_per_minute=0)
 
 
+@pytest.mark.exercise("token-bucket")
 def test_the_buckets_of_clients_gone_quiet_are_dropped():
     clock = FakeClock()
     limits = RateLimiter(requests_per_minute=60, clock=clock)
@@ -109,6 +110,7 @@ def test_over_http_a_429_with_retry_after_per_api_key():
         assert 'nanoserve:rate_limited_requests_total{limit="tokens"} 1.0' in metrics
 
 
+@pytest.mark.exercise("token-bucket")
 def test_without_api_keys_each_client_address_is_limited():
     clock = FakeClock()
     with ServerThread(engine_kwargs=dict(max_model_len=256, num_blocks=64),
