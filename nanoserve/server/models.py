@@ -216,6 +216,7 @@ class ModelRegistry:
 
     async def load_task(self, slot: ModelSlot) -> ServedModel:
         """Load one model (the task every request for it awaits): room first, then the engine."""
+        # >>> week25: load-model
         try:
             async with self.lock:
                 if slot.state == LOADED:
@@ -234,6 +235,7 @@ class ModelRegistry:
                 return slot.served
         finally:
             slot.pending = None
+        # <<< week25: load-model
 
     def install(self, slot: ModelSlot, engine: AsyncEngine) -> None:
         engine.listeners.extend(self.listeners)

@@ -43,11 +43,13 @@ class TokenBucket:
 
     def take(self, cost: float, now: float) -> float:
         """Take `cost` units and return 0, or take nothing and return the seconds until `cost` fits."""
+        # >>> week25: token-bucket
         self.refill(now)
         if cost <= self.level:
             self.level -= cost
             return 0.0
         return (cost - self.level) / self.rate
+        # <<< week25: token-bucket
 
     def full(self, now: float) -> bool:
         self.refill(now)

@@ -86,6 +86,7 @@ def test_metrics_label_each_models_engine(two):
     assert 'nanoserve:model_loaded{model="other"} 1.0' in text
 
 
+@pytest.mark.exercise("load-model")
 def test_lru_eviction_keeps_one_model_and_reloads_on_demand(other_model, expected):
     with ModelsServer({"tiny": "tiny", "other": other_model}, max_loaded=1, load_delay=0.3, log_requests=True) as s:
         assert loaded(s.url) == {"tiny": True, "other": False}
@@ -105,6 +106,7 @@ def test_lru_eviction_keeps_one_model_and_reloads_on_demand(other_model, expecte
         assert 'nanoserve:model_loads_total{model="tiny"} 2.0' in metrics
 
 
+@pytest.mark.exercise("load-model")
 def test_requests_waiting_for_one_model_share_its_load(other_model, expected):
     with ModelsServer({"tiny": "tiny", "other": other_model}, max_loaded=1, load_delay=0.3) as s:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -113,6 +115,7 @@ def test_requests_waiting_for_one_model_share_its_load(other_model, expected):
         assert s.builds["other"] == 1
 
 
+@pytest.mark.exercise("load-model")
 def test_alternating_models_with_one_slot_all_answer_right(other_model, expected):
     """K = 1 and requests for both models at once: each eviction waits for the evicted model's
     requests in flight to finish (drain), and every answer is the right model's."""
@@ -126,6 +129,7 @@ def test_alternating_models_with_one_slot_all_answer_right(other_model, expected
         assert s.registry.resident() == 1 and len(s.engine_threads()) == 1
 
 
+@pytest.mark.exercise("load-model")
 def test_unload_and_reload_under_load(other_model, expected):
     """Requests stream to tiny without pause while an operator unloads and reloads other, and
     requests for other come in between: every request answers, with its own model's text."""
@@ -186,6 +190,7 @@ def test_an_unload_with_requests_in_flight_is_refused(other_model):
         assert operator(s.url, "other", "unload").status_code == 200
 
 
+@pytest.mark.exercise("load-model")
 def test_operator_endpoints_are_behind_the_api_key(other_model):
     app = "https://ops.example"
     with ModelsServer({"tiny": "tiny", "other": other_model}, api_key=["k1", "k2"], allowed_origins=[app]) as s:
@@ -228,6 +233,7 @@ def test_the_command_line_names_the_models(other_model):
     assert parse_models(["x=y"]) == {"x": "y"}
 
 
+@pytest.mark.exercise("load-model", "token-bucket")
 def test_nanoserve_serve_with_two_models(other_model, expected, monkeypatch, capsys):
     """`nanoserve serve` with two models, one resident: its app, served as uvicorn.run would serve it
     (in this process), loads the other for a request; every engine is shut down when it returns."""

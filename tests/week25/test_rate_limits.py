@@ -24,6 +24,7 @@ def refused(take, *args) -> APIError:
     return e.value
 
 
+@pytest.mark.exercise("token-bucket")
 def test_a_bucket_bursts_then_refills_at_its_rate():
     bucket = TokenBucket(capacity=6, rate=0.1, level=6, stamp=0.0)
     assert [bucket.take(2, 0.0) for _ in range(3)] == [0, 0, 0]
@@ -33,6 +34,7 @@ def test_a_bucket_bursts_then_refills_at_its_rate():
     assert bucket.full(70.0) and bucket.level == 6  # never over capacity
 
 
+@pytest.mark.exercise("token-bucket")
 def test_requests_per_minute_each_key_its_own_bucket():
     clock = FakeClock()
     limits = RateLimiter(requests_per_minute=3, clock=clock)
@@ -48,6 +50,7 @@ def test_requests_per_minute_each_key_its_own_bucket():
     assert limits.refused == {"requests": 2}
 
 
+@pytest.mark.exercise("token-bucket")
 def test_tokens_per_minute_and_a_request_that_could_never_pass():
     clock = FakeClock()
     limits = RateLimiter(tokens_per_minute=600, clock=clock)
@@ -63,6 +66,7 @@ def test_tokens_per_minute_and_a_request_that_could_never_pass():
         RateLimiter(requests_per_minute=0)
 
 
+@pytest.mark.exercise("token-bucket")
 def test_the_buckets_of_clients_gone_quiet_are_dropped():
     clock = FakeClock()
     limits = RateLimiter(requests_per_minute=60, clock=clock)
@@ -74,6 +78,7 @@ def test_the_buckets_of_clients_gone_quiet_are_dropped():
     assert len(limits.buckets) <= 1
 
 
+@pytest.mark.exercise("token-bucket")
 def test_over_http_a_429_with_retry_after_per_api_key():
     clock = FakeClock()
     limits = RateLimiter(requests_per_minute=2, tokens_per_minute=100, clock=clock)
@@ -105,6 +110,7 @@ def test_over_http_a_429_with_retry_after_per_api_key():
         assert 'nanoserve:rate_limited_requests_total{limit="tokens"} 1.0' in metrics
 
 
+@pytest.mark.exercise("token-bucket")
 def test_without_api_keys_each_client_address_is_limited():
     clock = FakeClock()
     with ServerThread(engine_kwargs=dict(max_model_len=256, num_blocks=64),
