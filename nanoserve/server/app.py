@@ -44,7 +44,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers, lora_api, models_api, tokenizer_api
+from nanoserve.server import handlers, lora_api, messages_api, models_api, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.models import ModelRegistry
@@ -181,7 +181,7 @@ class Guard:
         if allowed_origins:
             self.checked = CORS(self.check_and_run, allow_origins=list(allowed_origins),
                                 allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type"])
+                                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
@@ -197,7 +197,7 @@ class Guard:
             return
         error = self.host_error(dict(scope["headers"]))
         if error is not None:
-            await error.response()(scope, receive, send)
+            await error_response(scope, error)(scope, receive, send)
             return
         await self.checked(scope, receive, send)
 
@@ -206,7 +206,7 @@ class Guard:
         headers = dict(scope["headers"])
         error = self.key_error(scope["path"], headers) or self.body_error(scope["method"], headers)
         if error is not None:
-            await error.response()(scope, receive, send)
+            await error_response(scope, error)(scope, receive, send)
             return
         await self.answer_errors(scope, receive, send)
 
@@ -225,9 +225,10 @@ class Guard:
 
     def key_error(self, path: str, headers: dict) -> APIError | None:
         """With a key set, every path needs it but /health, /metrics (and the docs with `public_docs`)."""
-        if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b"")):
+        if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b""),
+                                                                           headers.get(b"x-api-key")):
             return None
-        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                         code="invalid_api_key", type_="authentication_error")
 
     def body_error(self, method: str, headers: dict) -> APIError | None:
@@ -247,11 +248,14 @@ class Guard:
             return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="body_too_large")
         return None
 
-    def authorized(self, authorization: bytes) -> bool:
+    def authorized(self, authorization: bytes, x_api_key: bytes | None = None) -> bool:
         """`Authorization: Bearer <key>`, the scheme in any case (HTTP's schemes are case-insensitive),
-        the key compared in constant time (`==` stops at the first wrong byte, which a patient
-        attacker can time) with every key the server takes."""
+        or (issue 38) `x-api-key: <key>`, as Anthropic's clients send it; the key compared in constant
+        time (`==` stops at the first wrong byte, which a patient attacker can time) with every key
+        the server takes."""
         scheme, _, key = authorization.partition(b" ")
+        if x_api_key is not None and not authorization:
+            scheme, key = b"bearer", x_api_key
         matches = [hmac.compare_digest(key.strip(), known) for known in self.api_keys]  # all compared, always
         return scheme.lower() == b"bearer" and any(matches)
 
@@ -288,7 +292,13 @@ class Guard:
                 raise  # the response is under way: too late for an error body
             logger.exception("internal error on %s %s", scope.get("method"), scope["path"])
             message = f"internal error: {type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
-            await APIError(500, message, type_="server_error").response()(scope, receive, send)
+            await error_response(scope, APIError(500, message, type_="server_error"))(scope, receive, send)
+
+
+def error_response(scope, error: APIError):
+    """An error's response in the shape of the path's API: Anthropic's on /v1/messages (issue 38),
+    OpenAI's elsewhere."""
+    return messages_api.error_response(error) if messages_api.is_messages_path(scope["path"]) else error.response()
 
 
 async def api_error(request: Request, exc: APIError):
@@ -297,10 +307,11 @@ async def api_error(request: Request, exc: APIError):
 
 
 async def routing_error(request: Request, exc: HTTPException):
-    """Starlette's own errors (404 no such route, 405 wrong method) in OpenAI's shape."""
+    """Starlette's own errors (404 no such route, 405 wrong method) in OpenAI's shape (Anthropic's
+    under /v1/messages)."""
     message = f"{request.method} {request.url.path}: {exc.detail}"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+    return error_response(request.scope, APIError(exc.status_code, message, code=code, headers=exc.headers))
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -391,6 +402,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
         return await tokenizer_api.tokenizer_info(state)
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
     models_api.add_routes(app, state)  # issue 38: load and unload models
+    messages_api.add_routes(app, state)  # issue 38: Anthropic's Messages API
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:
