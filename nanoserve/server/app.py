@@ -165,12 +165,14 @@ class Guard:
     `api_key`: a key, or several (issue 38: each client its own, and its own rate limits), or None.
     `allowed_hosts`: the Host names served (any port); None or `*` for any. `allowed_origins`: the
     web origins whose pages may call the server (CORS); none by default. `public_docs`: serve
-    FastAPI's /docs, /redoc and /openapi.json without the key."""
+    FastAPI's /docs, /redoc and /openapi.json without the key. `x_api_key`: take the key from an
+    `x-api-key` header too, as Anthropic's clients send it (issue 38: the app's; not the fronts', which
+    forward the Authorization header only)."""
 
     def __init__(self, app, api_key: str | Sequence[str] | None, max_body_bytes: int, on_response=None,
                  body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
-                 allowed_origins: Sequence[str] = (), public_docs: bool = False):
-        self.app, self.max_body_bytes = app, max_body_bytes
+                 allowed_origins: Sequence[str] = (), public_docs: bool = False, x_api_key: bool = False):
+        self.app, self.max_body_bytes, self.x_api_key = app, max_body_bytes, x_api_key
         self.api_keys = [api_key.encode()] if isinstance(api_key, str) else [key.encode() for key in api_key or ()]
         self.on_response, self.body_timeout = on_response, body_timeout
         self.hosts = host_names(allowed_hosts)
@@ -181,7 +183,8 @@ class Guard:
         if allowed_origins:
             self.checked = CORS(self.check_and_run, allow_origins=list(allowed_origins),
                                 allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"])
+                                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version",
+                                               "Anthropic-Beta"])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
@@ -226,9 +229,10 @@ class Guard:
     def key_error(self, path: str, headers: dict) -> APIError | None:
         """With a key set, every path needs it but /health, /metrics (and the docs with `public_docs`)."""
         if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b""),
-                                                                           headers.get(b"x-api-key")):
+                                                                           headers.get(b"x-api-key") if self.x_api_key else None):
             return None
-        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+        also = " or 'x-api-key: <key>'" if self.x_api_key else ""
+        return APIError(401, f"invalid or missing API key (send 'Authorization: Bearer <key>'{also})",
                         code="invalid_api_key", type_="authentication_error")
 
     def body_error(self, method: str, headers: dict) -> APIError | None:
@@ -358,7 +362,8 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     # disconnects from the handlers, and we need them to abort abandoned requests.
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                        on_response=state.metrics.observe_http if state.metrics else None,
-                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
+                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs,
+                       x_api_key=True)
     add_error_handlers(app)
 
     @app.get("/health")
