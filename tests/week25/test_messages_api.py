@@ -214,3 +214,16 @@ def test_an_error_after_the_stream_began_is_an_error_event():
                                                  "event: content_block_delta", "event: error"]
     error = json.loads(lines[-1].split("data: ", 1)[1])
     assert error == {"type": "error", "error": {"type": "api_error", "message": "RuntimeError: the engine failed"}}
+
+
+def test_the_engine_reports_the_stop_string_it_stopped_at():
+    from nanoserve.engine.engine import LLM
+    from nanoserve.sampling.params import SamplingParams
+
+    llm = LLM("tiny", device="cpu", num_blocks=32, max_model_len=128)
+    prompt = llm.tokenizer.encode("The list")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert free.stop_string is None
+    stop = free.text.strip()[2:5]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=["~never~", stop]))[0]
+    assert (out.finish_reason, out.stop_string, out.text) == ("stop", stop, free.text[:free.text.index(stop)])
