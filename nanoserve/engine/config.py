@@ -12,6 +12,7 @@ import torch
 from nanoserve.attention.fp8_cache import KV_CACHE_DTYPES
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.ray_cluster import PLACEMENTS as RAY_PLACEMENTS
+from nanoserve.engine.tool_templates import TOOL_TEMPLATES
 from nanoserve.model.loader import MODEL_NAMES_HELP, gguf_source
 from nanoserve.model.quantized import SCHEMES
 
@@ -110,6 +111,8 @@ class EngineConfig:
     max_loras: int | None = None  # week 23: adapters resident on the device at once; default: 4 with lora_modules,
     # else 0 (no LoRA layers; a positive value turns them on, for adapters loaded at run time)
     max_lora_rank: int | None = None  # week 23: the largest adapter rank accepted; default: 16 (with LoRA on)
+    tool_template: str | None = None  # issue 38: "hermes" gives a chat template without a tools slot one
+    # (nanoserve/engine/tool_templates.py); None: the model's own template as it is
 
     @property
     def lora(self) -> bool:
@@ -154,6 +157,8 @@ class EngineConfig:
             raise ValueError(f"kv_role={self.kv_role!r}: 'prefill' or 'decode' (or None: an engine that does both)")
         if self.kv_transfer_timeout <= 0:
             raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout}: seconds, more than 0")
+        if self.tool_template not in (None, *TOOL_TEMPLATES):
+            raise ValueError(f"unknown tool_template {self.tool_template!r}: one of {', '.join(TOOL_TEMPLATES)}")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"unknown ray_placement {self.ray_placement!r}: one of {', '.join(RAY_PLACEMENTS)}")
         self._check_lora()
@@ -260,6 +265,11 @@ class EngineConfig:
                        help="schedule and launch the next step while the GPU runs this one, its new tokens fed "
                             "from the GPU (default: on with CUDA graphs; not with speculation)")
         add_lora_arguments(p)
+        p.add_argument("--tool-template", choices=list(TOOL_TEMPLATES), default=None,
+                       help="give a model whose chat template takes no tools (SmolLM2, Gemma 3) a tools slot: "
+                            "hermes lists the tools in the system message and reads calls written as "
+                            "<tool_call>{...}</tool_call> (issue 38, docs/agents.md; default: none, the model's "
+                            "own template)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

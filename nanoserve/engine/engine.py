@@ -76,7 +76,7 @@ class Engine:
         model_dir = resolve_model_dir(c.model)
         check_model_dir(model_dir)  # what a folder lacks, named before any library trips over it
         self.model_name = str(c.model)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(model_dir, tool_template=c.tool_template)
         # Week 18: with tensor parallelism this process is rank 0, the driver; the other ranks
         # build the same device side (`build_device_side`) and run the steps it broadcasts.
         self.workers, group = None, None

@@ -54,6 +54,7 @@ class RequestOutput:
     # `KVTransfer`'s dict); on a decode instance, the first output's transfer (num_bytes, seconds).
     kv_transfer: dict | None = None
     error: Exception | None = None  # finish reason "error": why (a KV transfer that failed)
+    stop_string: str | None = None  # finish reason "stop" at one of the request's stop strings: which (issue 38)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = True  # False: no output until the end, and the text is decoded once
     cut: bool = False  # the text was cut at a stop string
+    stop_string: str | None = None  # the one it was cut at (issue 38: Anthropic's `stop_sequence`)
     # Logprobs (week 10): those of the output tokens so far (None: not asked), how many of them were
     # delivered, and, per token given to add_token, the length of `text` once its text is there.
     logprobs: list[TokenLogprob] | None = None
@@ -81,7 +83,15 @@ class _Request:
         self.num_added += 1
         if piece:  # this token's text is here, and that of the tokens before it that had none yet
             self.ends += [len(self.text)] * (self.num_added - len(self.ends))
-        return self.cut_at_stop_string()
+        return self.stop_at_string()
+
+    def stop_at_string(self) -> bool:
+        """`cut_at_stop_string`, and the stop string it cut at remembered (`stop_string`)."""
+        full = self.text
+        cut = self.cut_at_stop_string()
+        if cut and self.stop_string is None:
+            self.stop_string = next((s for s in self.stop if full.startswith(s, len(self.text))), None)
+        return cut
 
     def cut_at_stop_string(self) -> bool:
         """Cut the text before the earliest stop string in it, if any; True if it did."""
@@ -163,7 +173,7 @@ class OutputProcessor:
                 req.text = self.tokenizer.decode(output[:-1] if stopped_by_token else output)
             elif not req.cut:  # a character still held back by the detokenizer, and its stop strings
                 req.text += req.detok.flush()
-                if req.cut_at_stop_string():
+                if req.stop_at_string():
                     seq.finish_reason = "stop"  # even if the same token hit max_tokens
         # Deliver text that can no longer turn out to be the start of a stop string.
         end = len(req.text) if seq.is_finished else len(req.text) - _held_back(req.text, req.stop)
@@ -174,7 +184,8 @@ class OutputProcessor:
         return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_ids, token_ids=seq.output_ids,
                              text=req.text, finished=seq.is_finished, finish_reason=seq.finish_reason, delta=delta,
                              metrics=RequestMetrics.of(seq) if seq.is_finished else None, logprobs=logprobs,
-                             delta_logprobs=delta_logprobs, prompt_logprobs=prompt_logprobs)
+                             delta_logprobs=delta_logprobs, prompt_logprobs=prompt_logprobs,
+                             stop_string=req.stop_string if seq.is_finished else None)
 
     def abort(self, seq: Sequence) -> RequestOutput | None:
         """The final output of a request the scheduler has just finished with "abort" (None if it

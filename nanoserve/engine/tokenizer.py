@@ -11,18 +11,27 @@ from __future__ import annotations
 import functools
 import os
 
+from nanoserve.engine.tool_templates import with_tool_template
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for bytes that are not (yet) a character
 
 
 class Tokenizer:
-    def __init__(self, model: str | os.PathLike):
+    def __init__(self, model: str | os.PathLike, tool_template: str | None = None):
+        """`tool_template` (issue 38): "hermes" puts a tools slot in front of the model's own chat
+        template (nanoserve/engine/tool_templates.py), for a model whose template has none."""
         from transformers import AutoTokenizer
 
         model_dir = resolve_model_dir(model)
         check_model_dir(model_dir, needs=("tokenizer",))  # else transformers blames a missing package
         self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.tool_template_name = tool_template
+        if tool_template is not None:
+            if not self.hf.chat_template:
+                raise ValueError(f"--tool-template {tool_template} goes in front of the model's chat template, "
+                                 "and this model has none")
+            self.hf.chat_template = with_tool_template(tool_template, self.hf.get_chat_template())
         # Decoding runs twice per token per running sequence (IncrementalDetokenizer): a server
         # with 256 streams calls it 512 times a step. The HF wrapper's decode is the Rust
         # tokenizer's decode plus Python around it (about 2.6 µs a call against 0.9 on a 2-core

@@ -44,7 +44,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
-from nanoserve.server import handlers, lora_api, models_api, tokenizer_api
+from nanoserve.server import handlers, lora_api, messages_api, models_api, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.models import ModelRegistry
@@ -166,12 +166,14 @@ class Guard:
     `api_key`: a key, or several (issue 38: each client its own, and its own rate limits), or None.
     `allowed_hosts`: the Host names served (any port); None or `*` for any. `allowed_origins`: the
     web origins whose pages may call the server (CORS); none by default. `public_docs`: serve
-    FastAPI's /docs, /redoc and /openapi.json without the key."""
+    FastAPI's /docs, /redoc and /openapi.json without the key. `x_api_key`: take the key from an
+    `x-api-key` header too, as Anthropic's clients send it (issue 38: the app's; not the fronts', which
+    forward the Authorization header only)."""
 
     def __init__(self, app, api_key: str | Sequence[str] | None, max_body_bytes: int, on_response=None,
                  body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
-                 allowed_origins: Sequence[str] = (), public_docs: bool = False):
-        self.app, self.max_body_bytes = app, max_body_bytes
+                 allowed_origins: Sequence[str] = (), public_docs: bool = False, x_api_key: bool = False):
+        self.app, self.max_body_bytes, self.x_api_key = app, max_body_bytes, x_api_key
         self.api_keys = [api_key.encode()] if isinstance(api_key, str) else [key.encode() for key in api_key or ()]
         self.on_response, self.body_timeout = on_response, body_timeout
         self.hosts = host_names(allowed_hosts)
@@ -182,7 +184,8 @@ class Guard:
         if allowed_origins:
             self.checked = CORS(self.check_and_run, allow_origins=list(allowed_origins),
                                 allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type"])
+                                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version",
+                                               "Anthropic-Beta"])
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.on_response is not None:
@@ -198,7 +201,7 @@ class Guard:
             return
         error = self.host_error(dict(scope["headers"]))
         if error is not None:
-            await error.response()(scope, receive, send)
+            await error_response(scope, error)(scope, receive, send)
             return
         await self.checked(scope, receive, send)
 
@@ -207,7 +210,7 @@ class Guard:
         headers = dict(scope["headers"])
         error = self.key_error(scope["path"], headers) or self.body_error(scope["method"], headers)
         if error is not None:
-            await error.response()(scope, receive, send)
+            await error_response(scope, error)(scope, receive, send)
             return
         await self.answer_errors(scope, receive, send)
 
@@ -226,9 +229,11 @@ class Guard:
 
     def key_error(self, path: str, headers: dict) -> APIError | None:
         """With a key set, every path needs it but /health, /metrics (and the docs with `public_docs`)."""
-        if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b"")):
+        if not self.api_keys or path in self.open_paths or self.authorized(headers.get(b"authorization", b""),
+                                                                           headers.get(b"x-api-key") if self.x_api_key else None):
             return None
-        return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+        also = " or 'x-api-key: <key>'" if self.x_api_key else ""
+        return APIError(401, f"invalid or missing API key (send 'Authorization: Bearer <key>'{also})",
                         code="invalid_api_key", type_="authentication_error")
 
     def body_error(self, method: str, headers: dict) -> APIError | None:
@@ -248,11 +253,14 @@ class Guard:
             return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="body_too_large")
         return None
 
-    def authorized(self, authorization: bytes) -> bool:
+    def authorized(self, authorization: bytes, x_api_key: bytes | None = None) -> bool:
         """`Authorization: Bearer <key>`, the scheme in any case (HTTP's schemes are case-insensitive),
-        the key compared in constant time (`==` stops at the first wrong byte, which a patient
-        attacker can time) with every key the server takes."""
+        or (issue 38) `x-api-key: <key>`, as Anthropic's clients send it; the key compared in constant
+        time (`==` stops at the first wrong byte, which a patient attacker can time) with every key
+        the server takes."""
         scheme, _, key = authorization.partition(b" ")
+        if x_api_key is not None and not authorization:
+            scheme, key = b"bearer", x_api_key
         matches = [hmac.compare_digest(key.strip(), known) for known in self.api_keys]  # all compared, always
         return scheme.lower() == b"bearer" and any(matches)
 
@@ -289,7 +297,13 @@ class Guard:
                 raise  # the response is under way: too late for an error body
             logger.exception("internal error on %s %s", scope.get("method"), scope["path"])
             message = f"internal error: {type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
-            await APIError(500, message, type_="server_error").response()(scope, receive, send)
+            await error_response(scope, APIError(500, message, type_="server_error"))(scope, receive, send)
+
+
+def error_response(scope, error: APIError):
+    """An error's response in the shape of the path's API: Anthropic's on /v1/messages (issue 38),
+    OpenAI's elsewhere."""
+    return messages_api.error_response(error) if messages_api.is_messages_path(scope["path"]) else error.response()
 
 
 async def api_error(request: Request, exc: APIError):
@@ -298,10 +312,11 @@ async def api_error(request: Request, exc: APIError):
 
 
 async def routing_error(request: Request, exc: HTTPException):
-    """Starlette's own errors (404 no such route, 405 wrong method) in OpenAI's shape."""
+    """Starlette's own errors (404 no such route, 405 wrong method) in OpenAI's shape (Anthropic's
+    under /v1/messages)."""
     message = f"{request.method} {request.url.path}: {exc.detail}"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+    return error_response(request.scope, APIError(exc.status_code, message, code=code, headers=exc.headers))
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -350,7 +365,8 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     # disconnects from the handlers, and we need them to abort abandoned requests.
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
                        on_response=state.metrics.observe_http if state.metrics else None,
-                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs)
+                       allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, public_docs=public_docs,
+                       x_api_key=True)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -395,6 +411,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     add_tools_route(app, state.toolbox)  # issue 38: GET /v1/tools
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
     models_api.add_routes(app, state)  # issue 38: load and unload models
+    messages_api.add_routes(app, state)  # issue 38: Anthropic's Messages API
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:

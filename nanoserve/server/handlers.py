@@ -306,10 +306,11 @@ def limit_tokens(state: ServerState, request: Request, prompt_ids: list[list[int
 
 
 def client_of(state: ServerState, request: Request) -> str:
-    """Whose buckets a request draws from: its API key (the `Guard` has checked it), or, on a server
-    without keys, its address."""
+    """Whose buckets a request draws from: its API key (the `Guard` has checked it; sent as a Bearer
+    token, or, by Anthropic's clients, as `x-api-key`), or, on a server without keys, its address."""
     if state.api_key:
-        return request.headers.get("authorization", "").partition(" ")[2].strip()
+        bearer = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return bearer or request.headers.get("x-api-key", "").strip()
     return request.client.host if request.client else "unknown"
 
 

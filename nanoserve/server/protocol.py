@@ -359,7 +359,8 @@ def template_message(m: Any, i: int, takes_tools: bool) -> dict:
     if (calls or role == "tool") and not takes_tools:
         param = f"messages[{i}].tool_calls" if calls else f"messages[{i}].role"
         raise APIError(400, "this model's chat template does not take tools, so it cannot write tool calls or "
-                            "their results into the prompt", param=param)
+                            "their results into the prompt (a server started with --tool-template hermes gives it a "
+                            "tools slot: docs/agents.md)", param=param)
     if calls is not None:
         if not isinstance(calls, list):
             raise APIError(400, f"'messages[{i}].tool_calls' must be a list", param=f"messages[{i}].tool_calls")

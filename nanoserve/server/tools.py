@@ -52,6 +52,12 @@ NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 # its call's arguments are `{}`, and a constrained call may not invent any.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"  # the "tagged" format's markers
+# Issue 38: the 400 for tools sent to a model whose chat template has no tools slot.
+NO_TOOLS_SLOT = ("this model's chat template does not take tools (it never reads a 'tools' variable), so the model "
+                 "cannot be told about them. Models whose own template takes tools (Llama 3.x, Qwen 2.5, Hermes, "
+                 "the bundled tiny model) need nothing more; for one without (SmolLM2, Gemma 3), start the server "
+                 "with --tool-template hermes, which lists the tools in the system message (docs/agents.md); or "
+                 "leave 'tools' out")
 
 
 class ToolError(ValueError):
@@ -112,9 +118,7 @@ def tool_use(body: dict, template: str | None, takes_tools: bool) -> ToolUse | N
     if mode == "none":
         return None
     if not takes_tools:
-        raise ToolError("this model's chat template does not take tools (it never reads a 'tools' variable), so "
-                        "the model cannot be told about them: leave 'tools' out, or serve a model whose template "
-                        "supports tool calling")
+        raise ToolError(NO_TOOLS_SLOT)
     return ToolUse(tools, mode, name, call_format(template or ""), True if parallel is None else parallel)
 
 
