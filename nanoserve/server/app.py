@@ -51,7 +51,6 @@ from nanoserve.server.models import ModelRegistry
 from nanoserve.server.protocol import APIError
 from nanoserve.server.rate_limits import RateLimiter
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
-from nanoserve.server.tokenizer_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox, add_tools_route
 
 logger = logging.getLogger("nanoserve.server")
@@ -394,20 +393,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     async def chat_completions(request: Request):
         return await handlers.chat_completions(state, request)
 
-    # The tokenizer, for clients that must count tokens as the server does (lm-eval's remote
-    # tokenizer): at the root, where vLLM serves them and lm-eval looks (nanoserve/server/tokenizer_api.py).
-    @app.post(tokenizer_api.TOKENIZE_PATH,
-              openapi_extra=tokenizer_api.request_body_one_of(TokenizeCompletionRequest, TokenizeChatRequest))
-    async def tokenize_endpoint(request: Request):
-        return await tokenizer_api.tokenize(state, request)
-
-    @app.post(tokenizer_api.DETOKENIZE_PATH, openapi_extra=request_body(DetokenizeRequest))
-    async def detokenize_endpoint(request: Request):
-        return await tokenizer_api.detokenize(state, request)
-
-    @app.get(tokenizer_api.TOKENIZER_INFO_PATH)
-    async def tokenizer_info():
-        return await tokenizer_api.tokenizer_info(state)
+    tokenizer_api.add_routes(app, state)  # /tokenize, /detokenize, /tokenizer_info
     add_tools_route(app, state.toolbox)  # issue 38: GET /v1/tools
     lora_api.add_routes(app, state)  # week 23: load and unload adapters
     models_api.add_routes(app, state)  # issue 38: load and unload models

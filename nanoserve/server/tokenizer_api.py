@@ -32,7 +32,7 @@ from nanoserve.server.protocol import (
     APIError,
     template_messages,
 )
-from nanoserve.server.schema import FalseOnly, Message, Strict, TokenId, first_error
+from nanoserve.server.schema import FalseOnly, Message, Strict, TokenId, first_error, request_body
 
 # The routes' paths, at the root (lm-eval derives them from the completions URL). Behind the API
 # key like every path but /health and /metrics (a client with the key sends it: lm-eval's `auth_token`).
@@ -199,3 +199,19 @@ def add_tokenizer_models(openapi: dict) -> dict:
                                  ref_template="#/components/schemas/{model}")
     openapi.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     return openapi
+
+
+def add_routes(app, state) -> None:
+    """The tokenizer, for clients that must count tokens as the server does (lm-eval's remote
+    tokenizer): at the root, where vLLM serves them and lm-eval looks."""
+    @app.post(TOKENIZE_PATH, openapi_extra=request_body_one_of(TokenizeCompletionRequest, TokenizeChatRequest))
+    async def tokenize_endpoint(request: Request):
+        return await tokenize(state, request)
+
+    @app.post(DETOKENIZE_PATH, openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize_endpoint(request: Request):
+        return await detokenize(state, request)
+
+    @app.get(TOKENIZER_INFO_PATH)
+    async def tokenizer_info_endpoint():
+        return await tokenizer_info(state)
