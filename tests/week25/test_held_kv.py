@@ -60,7 +60,7 @@ def test_resume_shapes_give_the_tokens_of_a_fresh_run(ckpt, caching, chunked):
     tokens equal a fresh run of the whole prompt, and only the prompt past the reused prefix runs."""
     kw = dict(enable_prefix_caching=caching, enable_chunked_prefill=chunked)
     if chunked:
-        kw["max_num_batched_tokens"] = 8  # the suffix goes through in chunks
+        kw.update(max_num_batched_tokens=8, max_num_seqs=4)  # the suffix goes through in chunks
     engine = engine_of(ckpt, **kw)
     prompt = tokens(10, 1)
     first = run(engine, prompt, hold_kv=True)
