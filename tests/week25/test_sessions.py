@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 import torch
+from agents_helpers import ModelsServer
 
 from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
@@ -149,6 +150,23 @@ def test_a_second_turn_while_one_runs_is_a_409(server):
     assert chat(server, FIRST, "s-busy").status_code == 200  # free again
 
 
+def test_a_cancelled_turn_gives_its_kv_back_and_the_next_turn_reprefills(server):
+    one, second = two_turns(server, "s-abort")
+    held = server.async_engine.held_kv()["blocks"]
+    body = {"model": "tiny", "messages": second, "max_tokens": 60, "temperature": 0, "stream": True,
+            "session_id": "s-abort"}
+    with server.slowed(0.05):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # the turn runs (it took turn one's KV): the client goes away
+    deadline = time.monotonic() + 5
+    while server.async_engine.num_pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.async_engine.held_kv()["blocks"] < held  # turn one's KV went with the aborted turn
+    three = chat(server, second, "s-abort")
+    assert three.status_code == 200 and cached(three) == 0
+    assert 'nanoserve:session_turns_total{outcome="reprefilled",reason="aborted"} 1.0' in turns(server)
+
+
 def test_nothing_is_left_pinned_once_the_sessions_go(server):
     """Last in the module: every session released (a cap of 0), every block free again."""
     engine = server.async_engine
@@ -163,3 +181,16 @@ def test_nothing_is_left_pinned_once_the_sessions_go(server):
         assert "nanoserve:session_pinned_blocks 0.0" in turns(server)
     finally:
         server.store.kv_fraction = 0.5
+
+
+def test_an_unloaded_model_starts_its_sessions_over(other_model):
+    with ModelsServer({"tiny": "tiny", "other": other_model}) as s:
+        body = {"model": "other", "messages": FIRST, "max_tokens": 4, "temperature": 0, "session_id": "s-unload"}
+        one = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()
+        second = FIRST + [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "More"}]
+        assert httpx.post(s.url + "/v1/models/other/unload", json={}, timeout=60).status_code == 200
+        two = httpx.post(s.url + "/v1/chat/completions", json=body | {"messages": second}, timeout=60)
+        assert two.status_code == 200 and "prompt_tokens_details" not in two.json()["usage"]
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'nanoserve:session_turns_total{outcome="reprefilled",reason="unloaded"} 1.0' in metrics
