@@ -417,8 +417,7 @@ class ServerThread(AppThread):
         return slow()
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Wait until no request is in flight and every KV block is free again (or held for a later
-        request: issue 38's sessions hold their KV between turns)."""
+        """Wait until no request is in flight and every KV block is free (or held: issue 38's sessions)."""
         import time
 
         alloc = self.engine.scheduler.allocator
