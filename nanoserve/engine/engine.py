@@ -211,8 +211,8 @@ class Engine(EngineReports):
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time, hold_kv=hold_kv)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
         self.scheduler.add(seq)  # (which refuses a request that can never fit)
-        if resume_from is not None and transfer is None:  # issue 38
-            self.scheduler.held.attach(seq, resume_from)
+        if resume_from is not None and transfer is None:  # issue 38 (static and admit-all batching: no resume)
+            self.scheduler.held.attach(seq, resume_from, reuse=self.scheduler.batching == "continuous")
         if transfer is not None:  # issue 35: its KV comes from a prefill instance; it waits outside the queue
             self.scheduler.waiting.remove(seq)
             self.kv_decode.add(seq, transfer)

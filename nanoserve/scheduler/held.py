@@ -102,16 +102,17 @@ class HeldKV:
 
     # -- out: a request resumes ---------------------------------------------------------------
 
-    def attach(self, seq: Sequence, key: int) -> str:
+    def attach(self, seq: Sequence, key: int, reuse: bool = True) -> str:
         """A new request `seq` (queued, no blocks yet) asks to resume from entry `key`: take the
         entry, keep the blocks of the common prefix on `seq` (`resume_blocks`, `resume_len`) for
-        its admission, free the rest. Returns the outcome, also kept in `seq.resume_outcome`."""
+        its admission, free the rest. Returns the outcome, also kept in `seq.resume_outcome`.
+        `reuse=False` (a batching policy that cannot start from computed tokens): take it, free it all."""
         entry = self.entries.pop(key, None)
         if entry is None:
             seq.resume_outcome = EVICTED
             return EVICTED
         n = min(common_prefix(seq.token_ids, entry.token_ids), seq.num_tokens - 1)
-        if entry.lora_id != seq.lora_id or seq.params.prompt_logprobs is not None:
+        if entry.lora_id != seq.lora_id or seq.params.prompt_logprobs is not None or not reuse:
             n = 0  # other K/V (another adapter), or the prompt's logits are wanted: nothing reusable
         keep = blocks_needed(n, self.block_size)
         if n % self.block_size and not self._writable(entry.blocks[keep - 1]):

@@ -187,3 +187,13 @@ def test_async_engine_holds_resumes_and_releases_on_its_thread(ckpt):
         assert engine.held_kv()["blocks"] == 0
     finally:
         engine.shutdown()
+
+
+def test_static_batching_takes_the_entry_and_prefills_in_full(ckpt):
+    engine = engine_of(ckpt, batching="static", enable_prefix_caching=False)
+    prompt = tokens(9, 50)
+    first = run(engine, prompt, hold_kv=True)
+    out = run(engine, prompt + first.token_ids, resume_from=first.request_id)
+    assert out.resume_outcome == "mismatch" and out.num_resumed_tokens == 0
+    assert out.token_ids == fresh(ckpt, prompt + first.token_ids)
+    assert_no_leak(engine)
