@@ -417,13 +417,13 @@ class ServerThread(AppThread):
         return slow()
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Wait until no request is in flight and every KV block is free again."""
+        """Wait until no request is in flight and every KV block is free (or held: issue 38's sessions)."""
         import time
 
         alloc = self.engine.scheduler.allocator
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if not self.engine.has_unfinished() and alloc.num_free == alloc.num_blocks:
+            if not self.engine.has_unfinished() and alloc.num_free + self.engine.held_kv()["blocks"] == alloc.num_blocks:
                 return True
             time.sleep(0.02)
         return False

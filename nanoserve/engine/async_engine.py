@@ -101,6 +101,7 @@ class AsyncEngine:
         kv = self.engine.kv_transfer_stats()
         if kv is not None:
             stats["kv_transfer"] = kv
+        stats["held_kv"] = self.engine.held_kv()  # issue 38
         load = self.engine.expert_load()
         if load is not None:  # week 24: a mixture of experts
             stats["expert_load"] = load
@@ -136,7 +137,9 @@ class AsyncEngine:
         If the consumer stops early (the client went away, the task was cancelled), the request
         is aborted on the engine thread and its KV blocks are freed. `options` travel with the
         request: `priority` goes to `Engine.add_request`, and the listeners get all of them
-        (the server's request id, for the request log).
+        (the server's request id, for the request log). Issue 38: `hold_kv=True` and
+        `resume_from=<request id>` (an int, the `request_id` of an earlier output) go to
+        `Engine.add_request` too: see there.
         """
         import asyncio
 
@@ -175,15 +178,24 @@ class AsyncEngine:
         """Week 23: `Engine.adapters.remove` on the engine thread (its ValueError raised here)."""
         await self._on_engine_thread(lambda engine: engine.adapters.remove(name))
 
-    async def _on_engine_thread(self, change) -> None:
-        """Run `change(engine)` between two steps, on the thread that owns the engine, and wait for it."""
+    async def release_held(self, request_id: int) -> bool:
+        """Issue 38: `Engine.release_held` on the engine thread; False if nothing was held under the id."""
+        return await self._on_engine_thread(lambda engine: engine.release_held(request_id))
+
+    def held_kv(self) -> dict:
+        """Issue 38: `Engine.held_kv()` (plain counters: read from the event loop, as `stats` does)."""
+        return self.engine.held_kv()
+
+    async def _on_engine_thread(self, change):
+        """Run `change(engine)` between two steps, on the thread that owns the engine, and wait for
+        it; returns what it returned."""
         import asyncio
 
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self.inbox.put(("call", change, loop, done))
         self._wake.set()
-        await done
+        return await done
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -217,7 +229,9 @@ class AsyncEngine:
                                                                     priority=options.get("priority", 0),
                                                                     kv_transfer=options.get("kv_transfer"),
                                                                     lora=options.get("lora"),
-                                                                    arrival_time=options.get("arrival_time"))
+                                                                    arrival_time=options.get("arrival_time"),
+                                                                    hold_kv=options.get("hold_kv", False),
+                                                                    resume_from=options.get("resume_from"))
                     self.options[key] = options
                 except (ValueError, WorkerFailed) as e:  # e.g. a prompt that can never fit: tell that request only
                     self._send(key, e)
@@ -225,9 +239,9 @@ class AsyncEngine:
             elif command[0] == "call":  # week 23: load or unload an adapter
                 _, change, loop, done = command
                 try:
-                    change(self.engine)
+                    result = change(self.engine)
                     self.lora_names = tuple(self.engine.adapters.ids)
-                    loop.call_soon_threadsafe(done.set_result, None)
+                    loop.call_soon_threadsafe(done.set_result, result)
                 except Exception as e:  # noqa: BLE001 (the caller gets it; the engine thread goes on)
                     loop.call_soon_threadsafe(done.set_exception, e)
             else:

@@ -32,10 +32,10 @@ from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, st
 from nanoserve.engine.lora import LoRARegistry
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
 from nanoserve.engine.pipeline import check_pipeline_config
+from nanoserve.engine.reports import EngineReports
 from nanoserve.engine.speculative import SpecDecoder
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
-from nanoserve.model.moe import expert_load
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sampler import Sampler
@@ -69,7 +69,7 @@ class _InFlight:
     before: list  # Scheduler.launched's record, for Scheduler.resolve
 
 
-class Engine:
+class Engine(EngineReports):
     def __init__(self, config: EngineConfig | None = None):
         c = config or EngineConfig()
         self.config = c = dataclasses.replace(c, device=c.device or default_device())
@@ -167,7 +167,8 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     stream: bool = True, priority: int = 0, kv_transfer: dict | None = None,
-                    lora: str | None = None, arrival_time: float | None = None) -> int:
+                    lora: str | None = None, arrival_time: float | None = None, hold_kv: bool = False,
+                    resume_from: int | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. `priority` (lower runs
         first) matters only with `scheduling_policy="priority"`. `kv_transfer` (issue 35, see
         nanoserve/engine/disaggregation.py): on a prefill instance `{"send": True}` keeps the
@@ -175,6 +176,13 @@ class Engine:
         (then `prompt` is ignored: the prompt is the one whose KV comes). `lora` names a loaded
         adapter (week 23) to run it under; None: the base model. `arrival_time` (issue 38, on
         `time.perf_counter()`'s clock): when a server got it; its queue time and TTFT count from there.
+
+        Issue 38, held KV (nanoserve/scheduler/held.py): with `hold_kv`, a request that ends by stop or
+        length keeps its KV blocks, held under its request id (an int, as returned here) until a
+        request resumes from it, `release_held` frees it, or the pool needs the room. `resume_from` (a
+        request id) starts this request from that entry's KV: only the prompt past their longest common
+        prefix is prefilled; an entry that is gone means a plain prefill. The outputs tell how it went
+        (`RequestOutput.num_resumed_tokens`, `.resume_outcome`).
 
         With `stream=False` the request produces one output, when it finishes, its text decoded
         once at the end (unless it has stop strings, which must be looked for as the text grows)."""
@@ -200,9 +208,11 @@ class Engine:
             constraint = TokenConstraint(self.grammar_tokenizer(), params.grammar, vocab_size, frozenset(stop_ids))
         seq = Sequence(ids, params, stop_ids=frozenset(stop_ids), priority=priority, lora_id=lora_id,
                        keep_kv=self.kv_prefill is not None and kv_transfer is not None,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time, hold_kv=hold_kv)
         self.output_processor.add(seq, stream, constraint)  # its text, and its stop checker
         self.scheduler.add(seq)  # (which refuses a request that can never fit)
+        if resume_from is not None and transfer is None:  # issue 38 (static and admit-all batching: no resume)
+            self.scheduler.held.attach(seq, resume_from, reuse=self.scheduler.batching == "continuous")
         if transfer is not None:  # issue 35: its KV comes from a prefill instance; it waits outside the queue
             self.scheduler.waiting.remove(seq)
             self.kv_decode.add(seq, transfer)
@@ -252,6 +262,10 @@ class Engine:
         self._forget(request_id)
         return self.output_processor.abort(seq)
 
+    def release_held(self, request_id: int) -> bool:
+        """Issue 38: free the KV held for `request_id`. False if none was held (or it is gone)."""
+        return self.scheduler.held.release(request_id)
+
     @property
     def requests(self) -> dict:
         """The requests in the engine (finished ones leave it), by request id."""
@@ -277,37 +291,6 @@ class Engine:
         for side in (self.kv_prefill, self.kv_decode):
             if side is not None:
                 side.connector.close()
-
-    def kv_transfer_stats(self) -> dict | None:
-        """Issue 35: the KV connector's counts (transfers and bytes each way, failures, the seconds the
-        received ones took), or None when this engine is not a prefill or decode instance."""
-        side = self.kv_prefill or self.kv_decode
-        return None if side is None else side.connector.stats()
-
-    def spec_stats(self) -> dict | None:
-        """Week 17's counters (guesses proposed and accepted, tokens emitted, sequence-steps
-        verified, acceptance rate, tokens per target step), or None without speculation."""
-        if self.speculator is None:
-            return None
-        s = self.speculator.stats
-        return dict(proposed=s.num_proposed, accepted=s.num_accepted, emitted=s.num_emitted, steps=s.num_steps,
-                    acceptance_rate=s.acceptance_rate, tokens_per_step=s.tokens_per_step)
-
-    def pipeline_stats(self) -> dict | None:
-        """Week 20's bubble, measured: each stage's busy and idle share of the steps since the engine
-        started (`PipelineRunner.bubble_stats`), or None with one stage."""
-        return self.runner.bubble_stats() if self.config.pipeline_parallel_size > 1 else None
-
-    def expert_load(self) -> dict[int, list[int]] | None:
-        """Week 24: token-expert pairs routed to each expert since the engine started, by MoE layer (None: a
-        dense model); all ranks' (`nanoserve/model/moe.py`, `nanoserve/model/expert_parallel.py`)."""
-        return expert_load(self.model)
-
-    def prefix_cache_stats(self) -> dict | None:
-        """Week 14's counters (lookups, lookup and hit tokens, hit rate, evictions), or None when
-        prefix caching is off. With a CPU tier (`cpu_offload_gb`) also the hits of each tier (GPU
-        and CPU hit tokens), the blocks offloaded and reloaded, and the CPU tier's evictions."""
-        return self.scheduler.allocator.stats() if self.scheduler.prefix_caching else None
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -389,6 +372,8 @@ class Engine:
                 if self.kv_prefill is not None:  # issue 35: its prompt's KV goes to a decode instance
                     transfer = self.kv_prefill.send(self.sequences[out.request_id], self.scheduler)
                     out.kv_transfer = transfer.to_dict() if transfer is not None else None
+                held = self.scheduler.held.entries.get(out.request_id)  # issue 38
+                out.num_held_blocks = len(held.blocks) if held is not None else 0
                 self._forget(out.request_id)
         return outputs
 

@@ -55,6 +55,14 @@ class RequestOutput:
     kv_transfer: dict | None = None
     error: Exception | None = None  # finish reason "error": why (a KV transfer that failed)
     stop_string: str | None = None  # finish reason "stop" at one of the request's stop strings: which (issue 38)
+    # Issue 38, held KV (Engine.add_request's hold_kv and resume_from): the prompt tokens not prefilled
+    # (found in held KV or the prefix cache) and those of them from held KV; what came of resume_from
+    # ("resumed", "evicted": the entry was gone, "mismatch": nothing reusable; None: not asked); on the
+    # finished output, the blocks now held under this request's id (0: nothing held).
+    num_cached_tokens: int = 0
+    num_resumed_tokens: int = 0
+    resume_outcome: str | None = None
+    num_held_blocks: int = 0
 
 
 @dataclass
@@ -185,7 +193,9 @@ class OutputProcessor:
                              text=req.text, finished=seq.is_finished, finish_reason=seq.finish_reason, delta=delta,
                              metrics=RequestMetrics.of(seq) if seq.is_finished else None, logprobs=logprobs,
                              delta_logprobs=delta_logprobs, prompt_logprobs=prompt_logprobs,
-                             stop_string=req.stop_string if seq.is_finished else None)
+                             stop_string=req.stop_string if seq.is_finished else None,
+                             num_cached_tokens=seq.num_cached_tokens, num_resumed_tokens=seq.num_resumed,
+                             resume_outcome=seq.resume_outcome)
 
     def abort(self, seq: Sequence) -> RequestOutput | None:
         """The final output of a request the scheduler has just finished with "abort" (None if it
@@ -194,7 +204,9 @@ class OutputProcessor:
         if req is None:
             return None
         return RequestOutput(request_id=seq.seq_id, prompt_token_ids=seq.prompt_ids, token_ids=seq.output_ids,
-                             text=req.text, finished=True, finish_reason="abort", metrics=RequestMetrics.of(seq))
+                             text=req.text, finished=True, finish_reason="abort", metrics=RequestMetrics.of(seq),
+                             num_cached_tokens=seq.num_cached_tokens, num_resumed_tokens=seq.num_resumed,
+                             resume_outcome=seq.resume_outcome)
 
     def _take_logprobs(self, seq: Sequence, req: _Request) -> tuple:
         """Logprobs, for a request that asked: (all output logprobs so far, those `delta`

@@ -44,6 +44,15 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
+def chain_hashes(names: list[bytes], token_ids: list[int], num_blocks: int, block_size: int) -> list[bytes]:
+    """The names of a sequence's first `num_blocks` full blocks: `names` (its chain so far, kept
+    between calls) extended from `token_ids` as far as needed, so each block is hashed once."""
+    while len(names) < num_blocks:
+        i = len(names)
+        names.append(block_hash(names[-1] if i else None, token_ids[i * block_size : (i + 1) * block_size]))
+    return names[:num_blocks]
+
+
 class PrefixCachingAllocator(BlockAllocator):
     """The week-4 allocator with reference counts, a hash -> block map and an LRU evictable list."""
 

@@ -18,7 +18,8 @@ from collections import deque
 from nanoserve.scheduler.adapters import hold_back, name_first_block
 from nanoserve.scheduler.blocks import BlockAllocator, OutOfBlocks, blocks_needed
 from nanoserve.scheduler.cpu_tier import TieredPrefixAllocator
-from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, block_hash
+from nanoserve.scheduler.held import HeldKV
+from nanoserve.scheduler.prefix_cache import PrefixCachingAllocator, chain_hashes
 from nanoserve.scheduler.sequence import PENDING, Batch, Sequence, SequenceStatus
 
 BATCHING = ("admit-all", "static", "continuous")
@@ -90,6 +91,7 @@ class Scheduler:
         self.min_chunk = block_size  # week 15: the smallest piece of a new prompt worth admitting
         self.max_loras = max_loras  # week 23: distinct adapters running at once (the device's slots)
         self.num_held_for_adapters = 0  # steps in which the head of the queue waited for an adapter slot
+        self.held = HeldKV(self.allocator, block_size)  # issue 38: finished sequences' KV, kept for a resume
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -111,6 +113,8 @@ class Scheduler:
         """End a sequence now (stop, length or abort) and give its blocks back."""
         if seq.is_finished:
             return
+        if seq.hold_kv and reason in ("stop", "length"):  # issue 38: its blocks stay, under its id
+            self.held.hold(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self._free_blocks(seq)
         if seq.num_pending:  # async scheduling: tokens sampled after its end are never delivered
@@ -126,6 +130,8 @@ class Scheduler:
     def _free_blocks(self, seq: Sequence) -> None:
         # Last block first: with prefix caching the evictable list is least recently used first,
         # so a sequence's tail goes before its head, which other prompts are likelier to share.
+        if self.held.keep_resume(seq):  # issue 38: a resumed sequence waiting on keeps its held blocks
+            return
         for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table = []
@@ -145,6 +151,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
+            seq.num_cached_tokens = seq.num_computed
         self.running.append(seq)
 
     # -- the policies ---------------------------------------------------------------------------
@@ -154,6 +161,8 @@ class Scheduler:
             self._order_by_priority()
         self.waiting, held = hold_back(self.waiting, self.adapters_in_use, self.max_loras)  # week 23
         self.num_held_for_adapters += bool(held)
+        chunk = self.max_num_batched_tokens if self.chunked_prefill else self.max_model_len
+        self.held.room_for_queue(self.waiting, self.running, chunk)  # issue 38: held KV gives way first
         if self.batching == "admit-all":
             batch = self._schedule_admit_all()
         elif self.batching == "static":
@@ -269,8 +278,9 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Hand a waiting sequence the cached blocks of its longest cached prefix, and count them
         as computed. Never the whole sequence: its last token must run to give logits. Nor any of
-        it when the request wants its prompt's logprobs (week 10): a cached block has no logits."""
-        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+        it when the request wants its prompt's logprobs (week 10): a cached block has no logits.
+        A request resuming held KV (issue 38) starts from its held blocks instead."""
+        if self.held.resume(seq) or not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return
         # >>> week14: reuse-prefix
         reusable = (seq.num_tokens - 1) // self.block_size
@@ -280,12 +290,7 @@ class Scheduler:
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The names of the sequence's first `num_blocks` full blocks (computed once, kept)."""
-        bs = self.block_size
-        while len(seq.block_hashes) < num_blocks:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return seq.block_hashes[:num_blocks]
+        return chain_hashes(seq.block_hashes, seq.token_ids, num_blocks, self.block_size)
 
     def _cache_full_blocks(self, seq: Sequence, computed_before: int, computed_after: int | None = None) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
@@ -352,6 +357,8 @@ class Scheduler:
         num_tokens = seq.num_tokens if num_tokens is None else num_tokens
         needed = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)
         if needed > 0 and needed > self.allocator.num_free:
+            self.held.evict_until(needed, self.waiting)  # issue 38: held KV goes before anyone is preempted
+        if needed > 0 and needed > self.allocator.num_free:
             if not self.preemption:
                 raise OutOfBlocks(
                     "the KV pool is full and preemption is off: enable it, give the engine more "
@@ -413,14 +420,7 @@ class Scheduler:
                 self.finish(seq, ended)
 
     def _ended_by(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
-        """Why `token`, the sequence's `num_tokens`-th, ends it ("stop" or "length"), or None."""
-        if token in seq.stop_ids:
-            return "stop"
-        if seq.stop_checker is not None and seq.stop_checker(token):
-            return "stop"
-        if num_tokens - seq.prompt_len >= seq.params.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return seq.ended_by(token, num_tokens, self.max_model_len)
 
     # -- async scheduling (week 12): one step ahead of the GPU ---------------------------------------
 

@@ -61,6 +61,16 @@ class Sequence:
     num_pending: int = 0  # async scheduling: trailing placeholders (PENDING) for tokens still on the GPU
     keep_kv: bool = False  # issue 35, on a prefill instance: its blocks outlive it until their KV is sent
     lora_id: int = 0  # week 23: the adapter it runs under (the engine's id for it), 0 for the base model
+    # Issue 38, held KV (nanoserve/scheduler/held.py): keep its blocks when it ends normally; the blocks
+    # of a held entry it resumes from, until its admission, and how many tokens they hold; what came of
+    # the resume ("resumed", "evicted", "mismatch"; None: not asked); the prompt tokens it did not
+    # prefill at its first admission, from held KV, and from held KV or the prefix cache.
+    hold_kv: bool = False
+    resume_blocks: list[int] | None = None
+    resume_len: int = 0
+    resume_outcome: str | None = None
+    num_resumed: int = 0
+    num_cached_tokens: int = 0
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +118,16 @@ class Sequence:
         """Week 23: what seeds its prefix cache's hash chain: under an adapter the same tokens have other
         K/V, so its blocks must never be found by the base model's prompts or another adapter's."""
         return f"lora:{self.lora_id}".encode() if self.lora_id else None
+
+    def ended_by(self, token: int, num_tokens: int, max_model_len: int) -> str | None:
+        """Why `token`, the sequence's `num_tokens`-th, ends it ("stop" or "length"), or None."""
+        if token in self.stop_ids:
+            return "stop"
+        if self.stop_checker is not None and self.stop_checker(token):
+            return "stop"
+        if num_tokens - self.prompt_len >= self.params.max_tokens or num_tokens >= max_model_len:
+            return "length"
+        return None
 
     @property
     def max_total_tokens(self) -> int:

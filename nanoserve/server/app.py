@@ -50,6 +50,7 @@ from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.models import ModelRegistry
 from nanoserve.server.protocol import APIError
 from nanoserve.server.rate_limits import RateLimiter
+from nanoserve.server.sessions import DEFAULT_KV_FRACTION, DEFAULT_TTL, SessionStore
 from nanoserve.server.schema import ChatCompletionRequest, CompletionRequest, add_request_models, request_body
 from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox, add_tools_route
 
@@ -325,13 +326,16 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def server_state(engine: AsyncEngine | ModelRegistry, model_name: str | None, metrics: bool | None,
-                 log_requests: bool, rate_limits: RateLimiter | None, **settings) -> ServerState:
-    """`create_app`'s `ServerState`: the models, their metrics and request log, the other `settings`."""
+                 log_requests: bool, rate_limits: RateLimiter | None, session_ttl: float = DEFAULT_TTL,
+                 session_kv_fraction: float = DEFAULT_KV_FRACTION, **settings) -> ServerState:
+    """`create_app`'s `ServerState`: the models, their metrics and request log, the sessions (issue 38),
+    the other `settings`."""
     if metrics is None:
         metrics = 16 not in stubbed_weeks()
     models = engine if isinstance(engine, ModelRegistry) else ModelRegistry.serving(engine, model_name)
-    state = ServerState(models, metrics=ServerMetrics(models, rate_limits) if metrics else None,
-                        rate_limits=rate_limits, **settings)
+    sessions = SessionStore(models, session_ttl, session_kv_fraction)
+    state = ServerState(models, metrics=ServerMetrics(models, rate_limits, sessions) if metrics else None,
+                        rate_limits=rate_limits, sessions=sessions, **settings)
     if state.metrics is not None:
         models.add_listener(state.metrics.observe_request)
     if log_requests:
@@ -344,7 +348,8 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
                metrics: bool | None = None, log_requests: bool = False, body_timeout: float = BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS, allowed_origins: Sequence[str] = (),
                public_docs: bool = False, rate_limits: RateLimiter | None = None, toolbox: ToolBox | None = None,
-               max_tool_rounds: int = MAX_TOOL_ROUNDS) -> FastAPI:
+               max_tool_rounds: int = MAX_TOOL_ROUNDS, session_ttl: float = DEFAULT_TTL,
+               session_kv_fraction: float = DEFAULT_KV_FRACTION) -> FastAPI:
     """The app: routes only, each handing the request to its handler in nanoserve/server/handlers.py
     with the server's `ServerState` (also at `app.state.server`). `engine`: the engine of the one
     model served, as `model_name`; or (issue 38) a `ModelRegistry` of several. `metrics`: serve `GET
@@ -353,9 +358,11 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
     JSON line per finished request on the `nanoserve.requests` logger. `allowed_hosts`,
     `allowed_origins`, `public_docs`: see `Guard` (the default hosts are right for a server on
     loopback; `allowed_hosts_for` gives them for another address). `rate_limits`: issue 38's buckets
-    per API key (nanoserve/server/rate_limits.py). `toolbox`, `max_tool_rounds`: issue 38's server tools."""
-    state = server_state(engine, model_name, metrics, log_requests, rate_limits, api_key=api_key,
-                         max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+    per API key (nanoserve/server/rate_limits.py). `toolbox`, `max_tool_rounds`: issue 38's server tools.
+    `session_ttl`, `session_kv_fraction`: issue 38's sessions (nanoserve/server/sessions.py), always on:
+    a request without a session id has none."""
+    state = server_state(engine, model_name, metrics, log_requests, rate_limits, session_ttl, session_kv_fraction,
+                         api_key=api_key, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
                          toolbox=toolbox, max_tool_rounds=max_tool_rounds)
     app = FastAPI(title="nanoserve", version="0.1.0", lifespan=state.lifespan)
     app.state.server, app.state.metrics = state, state.metrics

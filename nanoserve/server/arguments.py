@@ -62,6 +62,13 @@ def add_serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--no-metrics", dest="metrics", action="store_const", const=False, default=None,
                      help="do not serve GET /metrics (Prometheus text format; default: served, in a learner's "
                           "workspace once week 16 is written)")
+    ss = srv.add_argument_group("sessions (issue 38, docs/agents.md)")
+    ss.add_argument("--session-ttl", type=float, default=600.0, metavar="SECONDS",
+                    help="a session (a request's session_id, or its X-Session-Id header) idle this long gives its "
+                         "KV back; its next turn prefills again (default: %(default)g)")
+    ss.add_argument("--session-kv-fraction", type=float, default=0.5, metavar="SHARE",
+                    help="the share of each model's KV blocks that sessions may hold between turns; past it, the "
+                         "sessions idle longest give theirs back (default: %(default)g; 0: no KV kept)")
     pd = srv.add_argument_group("disaggregated prefill and decode (issue 35, docs/disaggregation.md)")
     pd.add_argument("--disaggregated", action="store_true",
                     help="start a prefill instance (GPU 0, --port+1) and a decode instance (GPU 1, --port+2) of "

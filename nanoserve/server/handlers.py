@@ -51,6 +51,7 @@ from nanoserve.server.protocol import (
     template_messages,
 )
 from nanoserve.server.rate_limits import RateLimiter
+from nanoserve.server.sessions import SessionStore, session_id_of
 from nanoserve.server.streaming import (
     StreamLogprobs,
     chat_completion,
@@ -82,6 +83,7 @@ class ServerState:
     metrics: ServerMetrics | None = None  # week 16: GET /metrics, when on
     created: int = field(default_factory=lambda: int(time.time()))  # the models' `created` in /v1/models
     rate_limits: RateLimiter | None = None  # issue 38: --rate-limit-rpm / --rate-limit-tpm, when set
+    sessions: SessionStore | None = None  # issue 38: conversations whose KV stays between turns
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanoserve-tokenizer"))
     toolbox: ToolBox | None = None  # issue 38: the server's own tools (--server-tools, --mcp-config)
@@ -90,7 +92,7 @@ class ServerState:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         """The app's lifespan (FastAPI's): the toolbox's MCP servers start before the first request
-        and stop with the app; the tokenizer threads end with it."""
+        and stop with the app; the tokenizer threads and the sessions end with it."""
         if self.toolbox is not None:
             try:  # an MCP server that fails to start stops the start-up: uvicorn says why and exits
                 await self.toolbox.start()
@@ -102,6 +104,8 @@ class ServerState:
             if self.toolbox is not None:
                 await self.toolbox.close()
             self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            if self.sessions is not None:
+                self.sessions.close()
 
     async def off_loop(self, work, *args):
         """`work(*args)` on a tokenizer thread (issue 38): a prompt of 100,000 characters takes about
@@ -328,12 +332,18 @@ async def respond(state: ServerState, model: ServedModel, request: Request, body
     priority = request_priority(body, model.engine.scheduling_policy)
     check_schema(body, chat)  # the last check before the engine: the body fits its published model
     kv_transfer = kv_transfer_params(body, prompt_ids, n, stream, echo)
+    turn = await session_turn(state, model, request, body, len(prompt_ids) * n, kv_transfer)
     if kv_transfer is not None and isinstance(kv_transfer.get("prompt_token_ids"), list):
         prompt_ids = [kv_transfer["prompt_token_ids"]]  # a decode instance: the prompt whose KV comes
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     lora = body["model"] if body["model"] != model.name else None  # week 23: an adapter, by name
-    streams, firsts = await submit(model.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora,
-                                   arrival_time)
+    try:
+        streams, firsts = await submit(model.engine, prompt_ids, params, n, priority, request_id, kv_transfer, lora,
+                                       arrival_time, turn)
+    except BaseException:
+        if turn is not None:
+            turn.end(None)
+        raise
     meta = dict(id=request_id, created=int(time.time()), model=body["model"])
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # once per prompt, whatever n
     total = len(streams)
@@ -347,7 +357,7 @@ async def respond(state: ServerState, model: ServedModel, request: Request, body
         if tools is not None:  # text that may be a tool call is held back (nanoserve/server/tools.py)
             tool_calls = ToolCallStream(tools)
             outputs = tool_calls.wrap(outputs)
-        events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls)
+        events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls, n)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     lasts = await collect_all(request, streams, firsts)
@@ -361,6 +371,17 @@ async def respond(state: ServerState, model: ServedModel, request: Request, body
     if kv_transfer is not None:  # issue 35, a prefill instance: what the decode instance needs (None: all done)
         answer["kv_transfer_params"] = lasts[0].kv_transfer
     return answer
+
+
+async def session_turn(state: ServerState, model: ServedModel, request: Request, body: dict, total: int,
+                       kv_transfer: dict | None):
+    """Issue 38: the request's session turn (nanoserve/server/sessions.py), or None without a session id."""
+    session_id = session_id_of(body, request.headers)
+    if session_id is None or state.sessions is None:
+        return None
+    if total != 1 or kv_transfer is not None:
+        raise APIError(400, "a session turn is one prompt with n = 1 (and no 'kv_transfer_params')", param="session_id")
+    return await state.sessions.begin(model.name, model.engine, session_id)
 
 
 def kv_transfer_params(body: dict, prompt_ids: list[list[int]], n: int, stream: bool,
@@ -380,11 +401,12 @@ def kv_transfer_params(body: dict, prompt_ids: list[list[int]], n: int, stream: 
 
 async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: SamplingParams, n: int,
                  priority: int, request_id: str, kv_transfer: dict | None = None,
-                 lora: str | None = None, arrival_time: float | None = None) -> tuple[list, list[RequestOutput]]:
+                 lora: str | None = None, arrival_time: float | None = None,
+                 turn=None) -> tuple[list, list[RequestOutput]]:
     """Start every choice on the engine and await its first output: (the engine generators, their
     first outputs), choice k the (k % n)-th of prompt k // n. Every reason to refuse the request
     surfaces here, as an APIError, before a byte of the response is sent; the choices already
-    started are then aborted."""
+    started are then aborted. `turn` (issue 38): the session turn of a one-choice request."""
     total = len(prompt_ids) * n
     if total > engine.max_pending:  # a 429 would have the client retry what can never be admitted
         raise APIError(400, f"this request asks for {total} choices ({len(prompt_ids)} prompt(s) x n = {n}), more than "
@@ -404,7 +426,9 @@ async def submit(engine: AsyncEngine, prompt_ids: list[list[int]], params: Sampl
                 name = request_id if total == 1 else f"{request_id}-{k}"
                 streams[k] = engine.generate(prompt_ids[k // n], choice_params(params, k % n), priority=priority,
                                              request_id=name, kv_transfer=kv_transfer, lora=lora,
-                                             arrival_time=arrival_time)
+                                             arrival_time=arrival_time, **(turn.options() if turn else {}))
+                if turn is not None:
+                    streams[k] = turn.track(streams[k])
             # admission errors surface here, before any byte is sent
             results = await asyncio.gather(*(anext(streams[k]) for k in wave), return_exceptions=True)
             for k, result in zip(wave, results):

@@ -61,7 +61,7 @@ class ServerMetrics:
     """The server's metrics, in a registry of their own (two apps in one process never mix), of
     the models in `models` (issue 38: one or several) and the refusals of `rate_limits`."""
 
-    def __init__(self, models: ModelRegistry, rate_limits: RateLimiter | None = None):
+    def __init__(self, models: ModelRegistry, rate_limits: RateLimiter | None = None, sessions=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("nanoserve:request_success", "Finished requests, by finish reason",
                                 ["finished_reason"], registry=r)
@@ -85,6 +85,8 @@ class ServerMetrics:
         self.output_len = Histogram("nanoserve:request_generation_tokens", "Output length of finished requests",
                                     buckets=lengths, registry=r)
         r.register(ModelsCollector(models, rate_limits))
+        if sessions is not None:  # issue 38: a `SessionStore` (nanoserve/server/sessions.py) is its own collector
+            r.register(sessions)
 
     def observe_request(self, output: RequestOutput, options: dict | None = None) -> None:
         """Record a finished request (an `AsyncEngine` listener). Its tokens' latencies count
@@ -162,6 +164,7 @@ class EngineCollector:
         yield from cpu_tier_metrics(self.engine.stats().get("prefix_cache"))
         yield from kv_transfer_metrics(self.engine.stats().get("kv_transfer"))
         yield from expert_load_metrics(s.get("expert_load"))
+        yield from held_kv_metrics(s.get("held_kv"))
 
 
 class ModelsCollector:
@@ -208,6 +211,17 @@ def model_metrics(models: ModelRegistry):
         for reason, count in slot.unloads.items():
             unloads.add_metric([slot.name, reason], count)
     yield from (loaded, loads, unloads)
+
+
+def held_kv_metrics(h: dict | None):
+    """Issue 38: the KV that finished requests hold for a later one (sessions), and what came of it."""
+    if h is None:
+        return
+    yield GaugeMetricFamily("nanoserve:held_kv_blocks", "KV blocks held by finished requests for a resume", value=h["blocks"])
+    yield CounterMetricFamily("nanoserve:held_kv_resumed_tokens", "Prompt tokens not prefilled: taken from held KV",
+                              value=h["resumed_tokens"])
+    yield CounterMetricFamily("nanoserve:held_kv_evictions", "Held KV entries evicted for room (before any preemption)",
+                              value=h["evictions"])
 
 
 def expert_load_metrics(load: dict[int, list[int]] | None):

@@ -126,6 +126,9 @@ class SamplingFields(Strict):
                                                            "priority (nanoserve)") | None = None
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="disaggregated serving, between the proxy and a --role prefill or decode instance (nanoserve)")
+    session_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        None, description="a conversation whose KV the server keeps between turns (or the X-Session-Id header; "
+                          "nanoserve, docs/agents.md)")
 
 
 class CompletionRequest(SamplingFields):

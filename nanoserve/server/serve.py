@@ -41,7 +41,8 @@ def serve_models(args: argparse.Namespace) -> int:
             engine.shutdown()
         raise
     app = create_app(registry, metrics=args.metrics, log_requests=args.log_requests, rate_limits=limits,
-                     toolbox=toolbox, max_tool_rounds=args.max_tool_rounds, **guard_options(args))
+                     toolbox=toolbox, max_tool_rounds=args.max_tool_rounds, session_ttl=args.session_ttl,
+                     session_kv_fraction=args.session_kv_fraction, **guard_options(args))
     for name, engine in preloaded.items():
         described = describe(engine.engine) + (f", the {args.kv_role} instance of a pair (KV over "
                                                f"{args.kv_connector}, {args.kv_address})" if args.kv_role else "")

@@ -96,10 +96,16 @@ class StreamLogprobs:
         return found
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's `usage` object, at the end of a plain body or in a stream's usage chunk."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: list[RequestOutput] = ()) -> dict:
+    """OpenAI's `usage` object, at the end of a plain body or in a stream's usage chunk. `cached`:
+    each prompt's first choice; when their prompts had tokens not prefilled (found in the prefix
+    cache, or a session's held KV: issue 38), `prompt_tokens_details.cached_tokens` counts them."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    cached_tokens = sum(out.num_cached_tokens for out in cached)
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 # ------------------------------------------------------------------------------ plain responses
@@ -114,7 +120,7 @@ def chat_completion(meta: dict, lasts: list[RequestOutput], tools: ToolUse | Non
     choices = [{"index": k, "message": message,
                 "logprobs": None if last.logprobs is None else chat_logprobs(last.logprobs, strings),
                 "finish_reason": reason} for k, (last, (message, reason)) in enumerate(zip(lasts, answers))]
-    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
+    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts), lasts[:1])
     return {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
 
 
@@ -131,7 +137,7 @@ def text_completion(meta: dict, lasts: list[RequestOutput], n: int, echo: list[s
         choices.append({"index": k, "text": (echo[k // n] if echo is not None else "") + last.text,
                         "logprobs": None if entries is None else completion_logprobs(entries, strings)[0],
                         "finish_reason": last.finish_reason})
-    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts))
+    usage = _usage(prompt_tokens, sum(len(last.token_ids) for last in lasts), lasts[::n])
     return {**meta, "object": "text_completion", "choices": choices, "usage": usage}
 
 
@@ -192,13 +198,14 @@ def no_tool_calls(index: int, out: RequestOutput) -> None:
 
 
 async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int,
-                     logprobs=no_logprobs, tool_calls=no_tool_calls):
+                     logprobs=no_logprobs, tool_calls=no_tool_calls, n: int = 1):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
     `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). `logprobs(index,
     out)` gives the choice's `logprobs` object for the tokens an output delivers (`StreamLogprobs`;
     None when the request did not ask for them). `tool_calls(index, out)` gives the tool calls a
-    chat choice's output delivers (`ToolCallStream`; None without tools). If the client
+    chat choice's output delivers (`ToolCallStream`; None without tools). `n`: choices per prompt
+    (the usage counts the cached tokens of each prompt's first). If the client
     disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
     requests on the engine thread, which frees their KV blocks.
     """
@@ -219,7 +226,7 @@ async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, promp
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    completion_tokens = 0
+    completion_tokens, firsts = 0, []
     started = set()  # the chat choices that had their role chunk
     try:
         async for index, out in outputs:
@@ -234,8 +241,9 @@ async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, promp
             if out.finished:
                 yield chunk(index, None if chat else "", out.finish_reason, found=found)
                 completion_tokens += len(out.token_ids)
+                firsts += [out] if index % n == 0 else []
         if include_usage:
-            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, firsts)}
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
