@@ -30,7 +30,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanoserve.server import handlers
+from nanoserve.server import engine_calls, handlers
 from nanoserve.server.handlers import ServerState
 from nanoserve.server.messages_request import chat_body
 from nanoserve.server.messages_stream import message_events, stop_reason
@@ -72,13 +72,13 @@ async def messages(state: ServerState, request: Request):
     async with state.models.use(body["model"]) as model:
         params = sampling_params_from(chat, state.default_max_tokens)
         messages_ = template_messages(chat["messages"], model.engine.tokenizer.takes_tools)
-        tools, params = handlers.chat_tools(model, chat, params)
-        prompt_ids = await state.off_loop(handlers.chat_prompt, model, messages_, tools)
-        handlers.check_length(model, prompt_ids, params, "messages")
+        tools, params = engine_calls.chat_tools(model, chat, params)
+        prompt_ids = await state.off_loop(engine_calls.chat_prompt, model, messages_, tools)
+        engine_calls.check_length(model, prompt_ids, params, "messages")
         handlers.limit_tokens(state, request, [prompt_ids], params, 1)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         lora = body["model"] if body["model"] != model.name else None
-        streams, firsts = await handlers.submit(model.engine, [prompt_ids], params, 1, 0, message_id, lora=lora,
+        streams, firsts = await engine_calls.submit(model.engine, [prompt_ids], params, 1, 0, message_id, lora=lora,
                                                 arrival_time=arrival_time)
         meta = {"id": message_id, "type": "message", "role": "assistant", "model": body["model"]}
         if body.get("stream"):
@@ -90,7 +90,7 @@ async def messages(state: ServerState, request: Request):
             events = message_events(outputs, meta, len(prompt_ids), tool_calls)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        lasts = await handlers.collect_all(request, streams, firsts)
+        lasts = await engine_calls.collect_all(request, streams, firsts)
         if lasts is None:
             return JSONResponse(error_body(499, "client closed the request"), status_code=499)
         return message(meta, lasts[0], tools, len(prompt_ids))
@@ -120,8 +120,8 @@ async def count_tokens(state: ServerState, request: Request) -> dict:
     async with state.models.use(body["model"]) as model:
         params = sampling_params_from(chat, state.default_max_tokens)
         messages_ = template_messages(chat["messages"], model.engine.tokenizer.takes_tools)
-        tools, _ = handlers.chat_tools(model, chat, params)
-        prompt_ids = await state.off_loop(handlers.chat_prompt, model, messages_, tools)
+        tools, _ = engine_calls.chat_tools(model, chat, params)
+        prompt_ids = await state.off_loop(engine_calls.chat_prompt, model, messages_, tools)
     return {"input_tokens": len(prompt_ids)}
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.server import handlers
+from nanoserve.server import engine_calls, handlers
 from nanoserve.server.handlers import ServerState
 from nanoserve.server.models import ModelRegistry, ServedModel
 from nanoserve.server.protocol import APIError
@@ -64,12 +64,12 @@ def test_read_json_checks_the_body_and_the_model():
 
 def test_check_length_names_the_culprit():
     s = model()  # a context of 32 tokens
-    handlers.check_length(s, [1] * 16, SamplingParams(max_tokens=16), "prompt")
+    engine_calls.check_length(s, [1] * 16, SamplingParams(max_tokens=16), "prompt")
     with pytest.raises(APIError) as e:
-        handlers.check_length(s, [1] * 16, SamplingParams(max_tokens=17), "prompt")
+        engine_calls.check_length(s, [1] * 16, SamplingParams(max_tokens=17), "prompt")
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
     with pytest.raises(APIError) as e:
-        handlers.check_length(s, [1] * 32, SamplingParams(max_tokens=1), "prompt[2]")
+        engine_calls.check_length(s, [1] * 32, SamplingParams(max_tokens=1), "prompt[2]")
     assert e.value.param == "prompt[2]"
 
 
