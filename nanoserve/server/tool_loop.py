@@ -62,7 +62,7 @@ class LoopState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    held: str | None = None  # the request id whose KV the next round resumes from
+    held: int | None = None  # the engine request whose KV the next round resumes from
 
     def count(self, last: RequestOutput, prompt_len: int) -> None:
         self.prompt_tokens += prompt_len
@@ -131,9 +131,9 @@ class ToolLoop:
         prompt_ids = await self.render(loop.messages, use)
         self.check_fits(prompt_ids, r)
         params = self.params if r == 0 else self.round_params
-        resume_from, loop.held = loop.held, None
+        resume_from, loop.held = loop.held, None  # the engine takes that entry: it is not released twice
         stream, first = await self.start_round(prompt_ids, params, f"{self.request_id}-round{r}", resume_from)
-        loop.held = f"{self.request_id}-round{r}"  # held once it finishes (released if it does not)
+        loop.held = first.request_id  # the engine's id, which holds this round's KV once it finishes
         return use, len(prompt_ids), stream, first
 
     async def after(self, loop: LoopState, r: int, use: ToolUse, text: str):

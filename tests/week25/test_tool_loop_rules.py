@@ -49,13 +49,14 @@ class Script:
     def __init__(self, answers: list[str]):
         self.answers = list(answers)
         self.prompts, self.resumed, self.released = [], [], []
+        self.ids = iter(range(100, 200))  # the engine's request ids, one per round
 
     async def start_round(self, prompt_ids, params, request_id, resume_from):
         self.resumed.append(resume_from)
-        text = self.answers.pop(0)
+        text, rid = self.answers.pop(0), next(self.ids)
         half = len(text) // 2
-        outs = [RequestOutput(0, prompt_ids, [1] * 3, text[:half], delta=text[:half]),
-                RequestOutput(0, prompt_ids, [1] * 5, text, finished=True, finish_reason="stop", delta=text[half:])]
+        outs = [RequestOutput(rid, prompt_ids, [1] * 3, text[:half], delta=text[:half]),
+                RequestOutput(rid, prompt_ids, [1] * 5, text, finished=True, finish_reason="stop", delta=text[half:])]
 
         async def rest():
             for out in outs[1:]:
@@ -115,8 +116,8 @@ def test_a_server_call_is_run_and_the_conversation_resumes_from_the_held_kv():
     assert [m["role"] for m in second] == ["user", "assistant", "tool"]
     assert second[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert second[2] == {"role": "tool", "tool_call_id": round_["calls"][0]["id"], "content": "5"}
-    assert script.resumed == [None, script.resumed[1]] and script.resumed[1].endswith("-round0")
-    assert script.released[-1].endswith("-round1")  # the last round's KV is released at the end
+    assert script.resumed == [None, 100]  # round 1 resumes from round 0's KV
+    assert script.released == [101]  # the last round's KV is released at the end
     assert body["usage"]["prompt_tokens"] == 10 + 30 and body["usage"]["completion_tokens"] == 10
 
 
@@ -158,4 +159,4 @@ def test_the_stream_shows_each_round_and_adds_up_to_the_plain_answer():
     assert "Let me add." in text and text.endswith("It is 5.")
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["usage"] == plain_body["usage"]
-    assert script.released[-1].endswith("-round1")
+    assert script.released == [101]
