@@ -108,5 +108,5 @@ def add_tool_arguments(srv: argparse.ArgumentParser) -> None:
                        help="seconds a server-side tool call may take before it becomes an error result for "
                             "the model (default: %(default)g)")
     tools.add_argument("--max-tool-rounds", type=int, default=4, metavar="N",
-                       help="used by the tool loop: rounds of server-side tool calls in one request before "
-                            "the answer goes back to the client (default: %(default)s)")
+                       help="rounds of server-side tool calls the tool loop runs in one request; an answer that "
+                            "still calls them after that goes back with its calls unrun (default: %(default)s)")

@@ -31,7 +31,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.sampling.params import SamplingParams
-from nanoserve.server.engine_calls import chat_prompt, chat_tools, check_length, collect_all, submit
+from nanoserve.server import tool_loop
+from nanoserve.server.engine_calls import chat_prompt, chat_tools, check_length, collect, collect_all, submit
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.models import ModelRegistry, ServedModel
 from nanoserve.server.protocol import (
@@ -246,12 +247,56 @@ async def chat_completions(state: ServerState, request: Request):
         params = sampling_params_from(body, state.default_max_tokens)
         params, n, _ = openai_fields(body, params, chat=True, vocab_size=model.engine.vocab_size)
         messages = template_messages(body.get("messages"), model.engine.tokenizer.takes_tools)
+        if tool_loop.offered(state, model, body):  # issue 38: the server runs its own tools' calls
+            return await with_tool_loop(state, model, request, body, messages, params, n, arrival_time)
         tools, params = chat_tools(model, body, params)
         prompt_ids = await state.off_loop(chat_prompt, model, messages, tools)
         check_length(model, prompt_ids, params, "messages")
         limit_tokens(state, request, [prompt_ids], params, n)
         return await respond(state, model, request, body, [prompt_ids], params, chat=True, n=n, tools=tools,
                              arrival_time=arrival_time)
+
+
+async def with_tool_loop(state: ServerState, model: ServedModel, request: Request, body: dict, messages: list[dict],
+                         params: SamplingParams, n: int, arrival_time: float):
+    """Issue 38: a chat request offered the server's tools, answered by the tool loop
+    (nanoserve/server/tool_loop.py), each round on the engine as `respond` starts a request."""
+    if n != 1 or body.get("logprobs"):
+        raise APIError(400, "with the server's tools a request asks for one answer and no logprobs (n = 1): send "
+                            "\"server_tools\": false for more", param="n" if n != 1 else "logprobs")
+    use, first_params = chat_tools(model, tool_loop.with_server_tools(body, state.toolbox), params)
+    stream, include_usage = stream_fields(body)
+    priority = request_priority(body, model.engine.scheduling_policy)
+    check_schema(body, True)
+    turn = await session_turn(state, model, request, body, 1, None)
+    lora = body["model"] if body["model"] != model.name else None
+
+    async def start_round(prompt_ids, round_params, request_id, resume_from, r):
+        streams, firsts = await submit(model.engine, [prompt_ids], round_params, 1, priority, request_id, lora=lora,
+                                       arrival_time=arrival_time if r == 0 else None,  # TTFT: round 0's
+                                       turn=tool_loop.RoundOptions(resume_from))
+        return streams[0], firsts[0]
+
+    def check_fits(prompt_ids: list[int], r: int) -> None:
+        check_length(model, prompt_ids, first_params if r == 0 else params, "messages")
+        limit_tokens(state, request, [prompt_ids], params, 1)  # every round draws on the client's tokens
+
+    async def finish(held: int | None, last) -> None:
+        if turn is not None:
+            turn.end(last)  # the session keeps the last round's KV for its next turn
+        if held is not None and (turn is None or last is None):
+            await model.engine.release_held(held)
+
+    loop = tool_loop.ToolLoop(state.toolbox, state.max_tool_rounds, use, first_params, params, start_round,
+                              lambda m, u: state.off_loop(chat_prompt, model, m, u), check_fits, finish)
+    resume_from = turn.resume_from if turn is not None else None  # a session's last turn: round 0 starts from it
+    if stream:
+        return loop.streamed(messages, body["model"], include_usage, resume_from)
+    answer = await loop.plain(messages, functools.partial(collect, request), body["model"], resume_from)
+    if answer is None:  # nobody is listening any more
+        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
+                                       "param": None, "code": None}}, status_code=499)
+    return answer
 
 
 def limit_requests(state: ServerState, request: Request) -> None:

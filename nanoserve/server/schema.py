@@ -227,6 +227,8 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Literal["auto", "default"] | None = Field(None, description="one tier (see priority)")
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = Field(
         None, description='["text"] only')
+    server_tools: bool | None = Field(None, description="false: keep the server's own tools (GET /v1/tools) out of "
+                                                        "this request (nanoserve, docs/agents.md)")
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)

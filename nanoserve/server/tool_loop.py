@@ -112,17 +112,20 @@ def append_round(messages: list[dict], content: str | None, calls: list[dict], r
 
 
 class ToolLoop:
-    """One chat request run through the loop. `start_round(prompt_ids, params, request_id, resume_from)`
-    starts a round on the engine and returns (its output stream, its first output), with the
-    request's errors already mapped to APIErrors (the handlers' `submit`); `render(messages, use)`
-    renders a prompt's token ids (off the event loop)."""
+    """One chat request run through the loop, on callbacks that `run_with_server_tools` gives it:
+    `start_round(prompt_ids, params, request_id, resume_from, round)` starts a round on the engine and returns
+    (its output stream, its first output), the request's errors mapped to APIErrors;
+    `render(messages, use)` gives a prompt's token ids (off the event loop); `check_fits(prompt_ids,
+    round)` refuses a prompt that does not fit; `finish(held, last)` ends the request: `held` the
+    engine id whose KV the last round holds (None: nothing), `last` that round's final output (None
+    when the request failed or was cancelled)."""
 
     def __init__(self, toolbox, max_rounds: int, use: ToolUse, params: SamplingParams,
-                 round_params: SamplingParams, start_round, render, check_fits, release):
+                 round_params: SamplingParams, start_round, render, check_fits, finish):
         self.toolbox, self.max_rounds = toolbox, max_rounds
         self.use, self.later_use = use, dataclasses.replace(use, mode="auto", name=None)
         self.params, self.round_params = params, round_params  # round 0's (a required call's grammar), the rest's
-        self.start_round, self.render, self.check_fits, self.release = start_round, render, check_fits, release
+        self.start_round, self.render, self.check_fits, self.finish = start_round, render, check_fits, finish
         self.request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
 
     async def round(self, loop: LoopState, r: int):
@@ -132,7 +135,7 @@ class ToolLoop:
         self.check_fits(prompt_ids, r)
         params = self.params if r == 0 else self.round_params
         resume_from, loop.held = loop.held, None  # the engine takes that entry: it is not released twice
-        stream, first = await self.start_round(prompt_ids, params, f"{self.request_id}-round{r}", resume_from)
+        stream, first = await self.start_round(prompt_ids, params, f"{self.request_id}-round{r}", resume_from, r)
         loop.held = first.request_id  # the engine's id, which holds this round's KV once it finishes
         return use, len(prompt_ids), stream, first
 
@@ -152,21 +155,24 @@ class ToolLoop:
 
     # ------------------------------------------------------------------------- a plain answer
 
-    async def plain(self, messages: list[dict], collect, model_name: str) -> dict:
-        loop = LoopState(list(messages))
+    async def plain(self, messages: list[dict], collect, model_name: str, resume_from: int | None = None) -> dict | None:
+        """The response's body (None if the client went away). `resume_from`: held KV for round 0 (a
+        session's last turn)."""
+        loop, last, done = LoopState(list(messages), held=resume_from), None, False
         try:
             for r in range(self.max_rounds + 1):
                 use, prompt_len, stream, first = await self.round(loop, r)
                 last = await collect(stream, first)
                 if last is None:
-                    raise asyncio.CancelledError  # the client went away: nothing to answer
+                    return None  # the client went away (the round was aborted): nothing to answer
                 loop.count(last, prompt_len)
                 content, theirs, pending, results = await self.after(loop, r, use, last.text)
                 if results is None or theirs:
+                    done = True
                     return self.answer(loop, model_name, last, content, theirs, pending)
             raise AssertionError("the loop always answers by its last round")
         finally:
-            await self.release(loop.held)
+            await self.finish(loop.held, last if done else None)
 
     def answer(self, loop: LoopState, model_name: str, last: RequestOutput, content, theirs, pending) -> dict:
         message = {"role": "assistant", "content": content if (theirs or pending) else last_text(content, last)}
@@ -184,11 +190,12 @@ class ToolLoop:
 
     # ------------------------------------------------------------------------- a streamed answer
 
-    def streamed(self, messages: list[dict], model_name: str, include_usage: bool) -> StreamingResponse:
-        return StreamingResponse(self.events(messages, model_name, include_usage), media_type="text/event-stream",
+    def streamed(self, messages: list[dict], model_name: str, include_usage: bool,
+                 resume_from: int | None = None) -> StreamingResponse:
+        return StreamingResponse(self.events(messages, model_name, include_usage, resume_from), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def events(self, messages: list[dict], model_name: str, include_usage: bool):
+    async def events(self, messages: list[dict], model_name: str, include_usage: bool, resume_from: int | None = None):
         meta = {"id": self.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
 
@@ -199,7 +206,7 @@ class ToolLoop:
                 payload["usage"] = None
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        loop = LoopState(list(messages))
+        loop, last, done = LoopState(list(messages), held=resume_from), None, False
         yield chunk({"role": "assistant", "content": ""})
         try:
             for r in range(self.max_rounds + 1):
@@ -225,6 +232,7 @@ class ToolLoop:
                 if pending:
                     extra["pending_tool_calls"] = pending
                 reason = "tool_calls" if theirs else ("stop" if pending else last.finish_reason)
+                done = True
                 yield chunk(delta, reason, **extra)
                 break
             if include_usage:
@@ -235,7 +243,7 @@ class ToolLoop:
             yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            await self.release(loop.held)
+            await self.finish(loop.held, last if done else None)
 
 
 def last_text(content: str | None, last: RequestOutput) -> str:
@@ -252,3 +260,51 @@ async def chain(first: RequestOutput, stream):
                 yield out
     finally:
         await stream.aclose()
+
+
+# ------------------------------------------------------------------------- the chat endpoint's side
+
+
+class RoundOptions:
+    """What `engine_calls.submit` asks of a session turn, for one round: hold its KV, resume from
+    the last round's."""
+
+    def __init__(self, resume_from: int | None):
+        self.resume_from = resume_from
+
+    def options(self) -> dict:
+        return dict(hold_kv=True, resume_from=self.resume_from)
+
+    def track(self, outputs):
+        return outputs
+
+
+def offered(state, model, body: dict) -> bool:
+    """Whether this chat request runs through the loop: the server has tools, the request did not
+    turn them off (`"server_tools": false`, `tool_choice: "none"`), and the model's chat template
+    can be told about tools."""
+    if state.toolbox is None or not state.toolbox.specs():
+        return False
+    wanted = body.get("server_tools", True)
+    if not isinstance(wanted, bool):
+        raise APIError(400, "'server_tools' must be a boolean: false keeps the server's tools out of this request",
+                       param="server_tools")
+    if not wanted or body.get("tool_choice") == "none":
+        return False
+    if not model.engine.tokenizer.takes_tools:
+        if "server_tools" in body:
+            raise APIError(400, "this model's chat template takes no tools, so the server's tools cannot be offered "
+                                "to it (serve it with --tool-template hermes)", param="server_tools")
+        return False
+    return True
+
+
+def with_server_tools(body: dict, toolbox) -> dict:
+    """The body with the server's tools added to its own (400 for a name both have)."""
+    own = body.get("tools") or []
+    names = {t.get("function", {}).get("name") for t in own if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+    clash = sorted(n for n in names if isinstance(n, str) and toolbox.owns(n))
+    if clash:
+        raise APIError(400, f"the request's tool {clash[0]!r} has the name of one of the server's own tools (GET "
+                            "/v1/tools): rename it, or send \"server_tools\": false", param="tools")
+    return {**body, "tools": own + toolbox.specs()}

@@ -51,7 +51,7 @@ class Script:
         self.prompts, self.resumed, self.released = [], [], []
         self.ids = iter(range(100, 200))  # the engine's request ids, one per round
 
-    async def start_round(self, prompt_ids, params, request_id, resume_from):
+    async def start_round(self, prompt_ids, params, request_id, resume_from, r):
         self.resumed.append(resume_from)
         text, rid = self.answers.pop(0), next(self.ids)
         half = len(text) // 2
@@ -68,15 +68,16 @@ class Script:
         self.prompts.append([dict(m) for m in messages])
         return list(range(10 * len(messages)))
 
-    async def release(self, held):
+    async def finish(self, held, last):
         self.released.append(held)
+        self.finished_with = last
 
 
 def make_loop(script: Script, box: FakeToolBox, max_rounds: int = 4) -> ToolLoop:
     use = ToolUse(TOOLS, "auto", None, "tagged")
     params = SamplingParams(max_tokens=8)
     return ToolLoop(box, max_rounds, use, params, params, script.start_round, script.render,
-                    lambda ids, r: None, script.release)
+                    lambda ids, r: None, script.finish)
 
 
 async def collect(stream, first):
