@@ -67,12 +67,15 @@ class LoopState:
     def count(self, last: RequestOutput, prompt_len: int) -> None:
         self.prompt_tokens += prompt_len
         self.completion_tokens += len(last.token_ids)
-        self.cached_tokens += getattr(last, "num_cached_tokens", 0) or 0
+        self.cached_tokens += last.num_cached_tokens
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        """OpenAI's `usage`, summed over the rounds (`cached_tokens` left out when 0, as without the loop)."""
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def split_calls(calls: list[dict], toolbox) -> tuple[list[dict], list[dict]]:
@@ -112,7 +115,8 @@ def append_round(messages: list[dict], content: str | None, calls: list[dict], r
 
 
 class ToolLoop:
-    """One chat request run through the loop, on callbacks that `run_with_server_tools` gives it:
+    """One chat request run through the loop, on callbacks that the chat handler gives it
+    (`with_tool_loop` in nanoserve/server/handlers.py):
     `start_round(prompt_ids, params, request_id, resume_from, round)` starts a round on the engine and returns
     (its output stream, its first output), the request's errors mapped to APIErrors;
     `render(messages, use)` gives a prompt's token ids (off the event loop); `check_fits(prompt_ids,
