@@ -46,6 +46,7 @@ from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.server import handlers, lora_api, messages_api, models_api, tokenizer_api
 from nanoserve.server.handlers import MAX_BODY_BYTES, ServerState
+from nanoserve.server.messages_schema import add_messages_models
 from nanoserve.server.metrics import RequestLog, ServerMetrics
 from nanoserve.server.models import ModelRegistry
 from nanoserve.server.protocol import APIError
@@ -408,8 +409,8 @@ def create_app(engine: AsyncEngine | ModelRegistry, model_name: str | None = Non
 
     def openapi() -> dict:  # FastAPI's document, with the request models the routes refer to
         if app.openapi_schema is None:
-            app.openapi_schema = lora_api.add_lora_models(
-                tokenizer_api.add_tokenizer_models(add_request_models(FastAPI.openapi(app))))
+            app.openapi_schema = add_messages_models(lora_api.add_lora_models(
+                tokenizer_api.add_tokenizer_models(add_request_models(FastAPI.openapi(app)))))
         return app.openapi_schema
 
     app.openapi = openapi

@@ -33,8 +33,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from nanoserve.server import engine_calls, handlers
 from nanoserve.server.handlers import ServerState
 from nanoserve.server.messages_request import chat_body
+from nanoserve.server.messages_schema import CountTokensRequest, MessagesRequest
 from nanoserve.server.messages_stream import message_events, stop_reason
 from nanoserve.server.protocol import APIError, sampling_params_from, template_messages
+from nanoserve.server.schema import request_body
 from nanoserve.server.streaming import merged_outputs
 from nanoserve.server.tools import ToolCallStream, ToolUse
 
@@ -114,9 +116,9 @@ def tool_use_block(call: dict) -> dict:
 
 async def count_tokens(state: ServerState, request: Request) -> dict:
     """`POST /v1/messages/count_tokens`: the prompt's tokens, the rendered system, messages and tools
-    (the body of a /v1/messages request, without max_tokens)."""
+    (the body of a /v1/messages request, max_tokens optional)."""
     body = await handlers.read_json(state, request)
-    chat = chat_body({"max_tokens": 1, **{k: v for k, v in body.items() if k != "max_tokens"}})
+    chat = chat_body(body, counting=True)
     async with state.models.use(body["model"]) as model:
         params = sampling_params_from(chat, state.default_max_tokens)
         messages_ = template_messages(chat["messages"], model.engine.tokenizer.takes_tools)
@@ -126,16 +128,17 @@ async def count_tokens(state: ServerState, request: Request) -> dict:
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    """The two routes, their errors in Anthropic's shape."""
+    """The two routes, their errors in Anthropic's shape; their bodies' models are published in
+    /openapi.json (`messages_schema.add_messages_models`)."""
 
-    @app.post(MESSAGES_PATH)
+    @app.post(MESSAGES_PATH, openapi_extra=request_body(MessagesRequest))
     async def messages_endpoint(request: Request):
         try:
             return await messages(state, request)
         except APIError as e:
             return error_response(e)
 
-    @app.post(COUNT_TOKENS_PATH)
+    @app.post(COUNT_TOKENS_PATH, openapi_extra=request_body(CountTokensRequest))
     async def count_tokens_endpoint(request: Request):
         try:
             return await count_tokens(state, request)

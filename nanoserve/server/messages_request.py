@@ -19,7 +19,9 @@ endpoint's own functions then check and run:
       name, disable_parallel_tool_use}          function: {name}} | "none"; parallel_tool_calls
 
 As on the OpenAI side, a field the server would not honour is refused with a 400 that names it:
-an unknown field, an image or document block, extended thinking.
+an unknown field, an image or document block, extended thinking. The checks here come first
+because they say why; the body is then held to its published model
+(nanoserve/server/messages_schema.py, in /openapi.json), so that nothing the schema refuses is taken.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nanoserve.sampling.params import MIN_TEMPERATURE
+from nanoserve.server.messages_schema import CountTokensRequest, MessagesRequest, check_schema
 from nanoserve.server.protocol import APIError
 
 # Every top-level field /v1/messages takes. `metadata` (user_id), `service_tier` "auto" or
@@ -58,25 +62,27 @@ def _param_error(param: str, message: str) -> APIError:
     return APIError(400, f"'{param}' {message}", param=param)
 
 
-def check_fields(body: dict) -> None:
-    """400 for a field the server would not honour (null counts as absent), or a required one missing."""
-    for name, value in body.items():
-        if value is None:
-            continue
+def check_fields(body: dict, counting: bool = False) -> None:
+    """400 for a field the server would not honour, or a required one missing (null counts as
+    absent, but an unknown field is refused even when null: the published schema has no such
+    field). `counting`: for count_tokens, where max_tokens may be left out."""
+    for name in body:
         if name in NOT_SUPPORTED:
             raise APIError(400, f"'{name}' is not supported: {NOT_SUPPORTED[name]}", param=name)
         if name not in FIELDS:
             raise APIError(400, f"unknown field '{name}': /v1/messages does not take it, and this server refuses what "
                                 "it would otherwise ignore (docs/agents.md lists the fields)", param=name)
     max_tokens = body.get("max_tokens")
-    if max_tokens is None:
+    if max_tokens is None and not counting:
         raise _param_error("max_tokens", "is required: the most tokens to generate")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    whole = isinstance(max_tokens, int) or (isinstance(max_tokens, float) and max_tokens.is_integer())
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not whole or max_tokens < 1):  # 16.0 counts
         raise _param_error("max_tokens", f"must be an integer of at least 1, got {max_tokens!r}")
     temperature = body.get("temperature")
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                    or not 0 <= temperature <= 1):
-        raise _param_error("temperature", f"must be a number in [0, 1], got {temperature!r}")
+                                    or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 1)):
+        raise _param_error("temperature", f"must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 1], got "
+                                          f"{temperature!r}")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and set(metadata) <= {"user_id"}
                                      and isinstance(metadata.get("user_id", ""), (str, type(None)))):
@@ -87,7 +93,7 @@ def check_fields(body: dict) -> None:
         raise _param_error("speed", "must be 'standard': this server has one speed")
     if body.get("cache_control") is not None and not isinstance(body["cache_control"], dict):
         raise _param_error("cache_control", "must be an object")
-    if not isinstance(body.get("stream", False), bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise _param_error("stream", "must be a boolean")
 
 
@@ -231,11 +237,12 @@ def chat_tool_choice(choice: Any) -> dict:
     return out
 
 
-def chat_body(body: dict) -> dict:
-    """A /v1/messages body, checked, as the /v1/chat/completions body that asks for the same answer."""
-    check_fields(body)
-    out = {"model": body["model"], "messages": chat_messages(body), "max_tokens": body["max_tokens"],
-           **chat_tools(body)}
+def chat_body(body: dict, counting: bool = False) -> dict:
+    """A /v1/messages body, checked, as the /v1/chat/completions body that asks for the same answer.
+    `counting`: a count_tokens body (max_tokens optional; the chat body gets 1)."""
+    check_fields(body, counting)
+    out = {"model": body["model"], "messages": chat_messages(body),
+           "max_tokens": 1 if counting else int(body["max_tokens"]), **chat_tools(body)}
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -244,4 +251,7 @@ def chat_body(body: dict) -> dict:
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
+    # The checks above say why; this one refuses whatever they let through that the published
+    # schema (nanoserve/server/messages_schema.py) does not allow.
+    check_schema(body, CountTokensRequest if counting else MessagesRequest)
     return out

@@ -93,10 +93,11 @@ def fuzz(server, operation, mode: GenerationMode, cases: int, statuses: Counter)
 def conforms(operation, body) -> bool:
     """Whether `body` fits one of the operation's published request models after all: a negative
     case is sometimes valid once `model` is set to the served one."""
+    from nanoserve.server.messages_schema import MESSAGES_REQUEST_MODELS
     from nanoserve.server.schema import REQUEST_MODELS
     from nanoserve.server.tokenizer_api import TOKENIZER_REQUEST_MODELS
 
-    by_name = {m.__name__: m for m in REQUEST_MODELS + TOKENIZER_REQUEST_MODELS}
+    by_name = {m.__name__: m for m in REQUEST_MODELS + TOKENIZER_REQUEST_MODELS + MESSAGES_REQUEST_MODELS}
     schema = operation.definition.raw["requestBody"]["content"]["application/json"]["schema"]
     refs = [s["$ref"] for s in schema.get("oneOf", [schema])]
     for ref in refs:

@@ -227,3 +227,28 @@ def test_the_engine_reports_the_stop_string_it_stopped_at():
     stop = free.text.strip()[2:5]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=["~never~", stop]))[0]
     assert (out.finish_reason, out.stop_string, out.text) == ("stop", stop, free.text[:free.text.index(stop)])
+
+
+def test_the_request_models_are_published_and_held_to(server):
+    """/openapi.json publishes both bodies (nanoserve/server/messages_schema.py); a body the models
+    refuse is refused, in Anthropic's shape, naming the field; count_tokens takes no max_tokens."""
+    paths = httpx.get(server.url + "/openapi.json", headers={"x-api-key": KEY}).json()["paths"]
+    for path, name in (("/v1/messages", "MessagesRequest"), ("/v1/messages/count_tokens", "CountTokensRequest")):
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+    ask = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    headers = {"x-api-key": KEY}
+    bad = [({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": 3}]}]},
+            "'messages[0].content[0].cache_control'"),
+           ({"temperature": 0.0005}, "'temperature' must be 0 (greedy) or a number in [0.001, 1]"),
+           ({"tools": [{"name": "two words", "input_schema": {}}]}, "'tools[0].name'"),
+           ({"stream": False, "unknown": None}, "unknown field 'unknown'")]
+    for change, words in bad:
+        response = httpx.post(server.url + "/v1/messages", json={**ask, **change}, headers=headers)
+        assert response.status_code == 400 and response.json()["type"] == "error", response.text
+        assert words in response.json()["error"]["message"], response.text
+    assert httpx.post(server.url + "/v1/messages", json={**ask, "max_tokens": 2.0, "stream": None},
+                      headers=headers).status_code == 200
+    counted = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": ask["messages"]},
+                         headers=headers)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
