@@ -87,7 +87,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=12, help="each round's answer (greedy)")
     ap.add_argument("--result-tokens", type=int, default=120, help="each tool result, about")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a small shared CPU, more threads than free cores stall each step)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     llm = LLM(args.model, device="cpu", dtype=torch.float32, enable_prefix_caching=False)
     tok, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -106,7 +109,7 @@ def main() -> None:
     def med(way: str, k: int, i: int) -> float:
         return statistics.median(rep[k][i] for rep in got[way])
 
-    print(f"model {args.model}, float32, CPU ({torch.get_num_threads()} threads), prefix caching off, "
+    print(f"model {args.model}, float32, CPU ({torch.get_num_threads()} torch thread(s)), prefix caching off, "
           f"{args.rounds} rounds, answers of {args.max_tokens} tokens, tool results of about {args.result_tokens} "
           f"tokens, median of {args.reps}; answers equal in both ways: {same}")
     print("| round | prompt tokens | prefilled, resume | prefilled, re-prefill | TTFT resume (ms) "
