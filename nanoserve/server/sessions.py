@@ -130,6 +130,10 @@ class SessionStore:
         return SessionTurn(self, session, resume_from)
 
     def turn_ended(self, turn: SessionTurn, last: RequestOutput | None) -> None:
+        """A turn is over (`last`: its final output, None when it failed or was cancelled): count how it
+        began, keep its KV for the next turn, and bring the blocks its engine holds for sessions under
+        the cap, releasing the sessions idle longest first."""
+        # >>> week25: end-of-turn
         session = turn.session
         session.busy, session.last_use = False, self.clock()
         if last is None or last.finish_reason not in ("stop", "length"):
@@ -145,19 +149,17 @@ class SessionStore:
             self.turns["reprefilled", last.resume_outcome or "evicted"] += 1
         session.held_id, session.blocks = (last.request_id, last.num_held_blocks) if last.num_held_blocks else (None, 0)
         session.lost = "evicted"  # why its next turn would not resume, if its KV goes
-        self.cap(session.engine)
-
-    def cap(self, engine: AsyncEngine) -> None:
-        """Release the sessions of `engine` idle longest until its held blocks fit the cap."""
+        engine = session.engine
         limit = self.kv_fraction * engine.kv_blocks()[1]
         held = engine.held_kv()["blocks"]
         idle = sorted((s for s in self.sessions.values() if s.engine is engine and s.held_id is not None and not s.busy),
                       key=lambda s: s.last_use)
-        for session in idle:
+        for other in idle:
             if held <= limit:
                 return
-            held -= session.blocks
-            self._drop(session, "evicted", "cap")
+            held -= other.blocks
+            self._drop(other, "evicted", "cap")
+        # <<< week25: end-of-turn
 
     async def expire(self) -> None:
         """Release the sessions idle for the TTL; forget those idle for twice that (their next turn is new)."""

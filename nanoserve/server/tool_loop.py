@@ -84,24 +84,6 @@ def split_calls(calls: list[dict], toolbox) -> tuple[list[dict], list[dict]]:
     return mine, [c for c in calls if not toolbox.owns(c["function"]["name"])]
 
 
-async def run_calls(toolbox, calls: list[dict]) -> list[dict]:
-    """Run the server's calls of one answer, together; each result as the response reports it."""
-    async def one(call: dict) -> dict:
-        try:
-            arguments = json.loads(call["function"]["arguments"])
-        except ValueError:  # the parser only returns calls whose arguments are a JSON object
-            arguments = None
-        if not isinstance(arguments, dict):
-            result_content, is_error = "the call's arguments are not a JSON object", True
-        else:
-            result = await toolbox.call(call["function"]["name"], arguments)
-            result_content, is_error = result.content, result.is_error
-        return {"tool_call_id": call["id"], "name": call["function"]["name"], "content": result_content,
-                "is_error": is_error}
-
-    return list(await asyncio.gather(*(one(c) for c in calls)))
-
-
 def append_round(messages: list[dict], content: str | None, calls: list[dict], results: list[dict]) -> None:
     """The assistant's calls and the tools' answers, as the chat template reads them (arguments as
     objects, HuggingFace's convention; nanoserve/server/protocol.py's `template_tool_call`)."""
@@ -144,18 +126,35 @@ class ToolLoop:
         return use, len(prompt_ids), stream, first
 
     async def after(self, loop: LoopState, r: int, use: ToolUse, text: str):
-        """A finished round's answer -> (content, the client's calls, the server's calls not run),
-        having run the server's calls (and appended them) when the loop goes on."""
+        """A finished round's answer -> (content, the client's calls, the server's calls not run, the
+        results of the server's calls run: None when the loop ends here). When the loop goes on, the
+        server's calls have been run, together, and the round appended to `loop`."""
+        # >>> week25: tool-round
         content, calls = use.parse(text)
         mine, theirs = split_calls(calls, self.toolbox)
         if not mine:
             return content, theirs, [], None
-        if r >= self.max_rounds:
+        if r >= self.max_rounds:  # the cap: these calls go back as they are, not run
             return content, theirs, mine, None
-        results = await run_calls(self.toolbox, mine)
+
+        async def run(call: dict) -> dict:
+            try:
+                arguments = json.loads(call["function"]["arguments"])
+            except ValueError:  # the parser only returns calls whose arguments are a JSON object
+                arguments = None
+            if not isinstance(arguments, dict):
+                answer, is_error = "the call's arguments are not a JSON object", True
+            else:  # ToolBox.call never raises: a tool's failure comes back as is_error
+                result = await self.toolbox.call(call["function"]["name"], arguments)
+                answer, is_error = result.content, result.is_error
+            return {"tool_call_id": call["id"], "name": call["function"]["name"], "content": answer,
+                    "is_error": is_error}
+
+        results = list(await asyncio.gather(*(run(c) for c in mine)))  # together: one slow tool holds up no other
         loop.rounds.append({"calls": mine, "results": results})
         append_round(loop.messages, content, mine, results)
         return content, theirs, [], results
+        # <<< week25: tool-round
 
     # ------------------------------------------------------------------------- a plain answer
 

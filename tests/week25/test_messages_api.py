@@ -182,6 +182,7 @@ def test_a_bad_key_and_an_unknown_model(server, client):
     assert response.status_code == 400 and set(response.json()) == {"error"}
 
 
+@pytest.mark.exercise("token-bucket")  # the rate limits run through the buckets
 def test_rate_limits_count_an_x_api_key_as_its_key():
     limits = RateLimiter(requests_per_minute=2)
     with ServerThread(api_key=["alice", "bob"], app_kwargs=dict(rate_limits=limits)) as server:

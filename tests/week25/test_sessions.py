@@ -14,6 +14,8 @@ from nanoserve.engine.engine import LLM
 from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import ServerThread
 
+pytestmark = pytest.mark.exercise("end-of-turn")
+
 ENGINE = dict(model="tiny", device="cpu", dtype=torch.float32, block_size=4, num_blocks=128, max_model_len=256,
               enable_prefix_caching=False)  # off: cached_tokens are the session's reuse alone
 FIRST = [{"role": "user", "content": "Tell me about lists"}]

@@ -18,6 +18,8 @@ import pytest
 from nanoserve.server.toolbox import ToolBox
 from nanoserve.testing import ServerThread
 
+pytestmark = pytest.mark.exercise("tool-round")
+
 ECHO_SERVER = Path(__file__).with_name("mcp_echo_server.py")
 ASK = [{"role": "user", "content": "What is two plus three?"}]
 # Prefix caching off: the tokens the second round does not prefill come from held KV alone.
@@ -117,6 +119,7 @@ def test_the_openai_client_and_the_switches(server):
     assert two.status_code == 400 and two.json()["error"]["param"] == "n"
 
 
+@pytest.mark.exercise("end-of-turn")
 def test_a_session_keeps_the_last_rounds_kv_for_its_next_turn(server):
     first = chat(server, tool_choice=forced("calculator"), session_id="agent-1")
     assert server.engine.held_kv()["entries"] == 1  # the session holds the last round's KV
