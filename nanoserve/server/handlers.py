@@ -55,6 +55,7 @@ from nanoserve.server.streaming import (
     no_tool_calls,
     sse_events,
     text_completion,
+    with_cached_tokens,
     with_echo,
 )
 from nanoserve.server.toolbox import MAX_TOOL_ROUNDS, ToolBox
@@ -362,7 +363,8 @@ async def respond(state: ServerState, model: ServedModel, request: Request, body
         if tools is not None:  # text that may be a tool call is held back (nanoserve/server/tools.py)
             tool_calls = ToolCallStream(tools)
             outputs = tool_calls.wrap(outputs)
-        events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls, n)
+        events = sse_events(outputs, meta, chat, include_usage, prompt_tokens, logprobs, tool_calls)
+        events = with_cached_tokens(events, sum(first.num_cached_tokens for first in firsts[::n]))  # issue 38
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     lasts = await collect_all(request, streams, firsts)

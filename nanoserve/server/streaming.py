@@ -198,14 +198,13 @@ def no_tool_calls(index: int, out: RequestOutput) -> None:
 
 
 async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, prompt_tokens: int,
-                     logprobs=no_logprobs, tool_calls=no_tool_calls, n: int = 1):
+                     logprobs=no_logprobs, tool_calls=no_tool_calls):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
     `outputs` yields `(choice index, RequestOutput)` pairs (`merged_outputs`). `logprobs(index,
     out)` gives the choice's `logprobs` object for the tokens an output delivers (`StreamLogprobs`;
     None when the request did not ask for them). `tool_calls(index, out)` gives the tool calls a
-    chat choice's output delivers (`ToolCallStream`; None without tools). `n`: choices per prompt
-    (the usage counts the cached tokens of each prompt's first). If the client
+    chat choice's output delivers (`ToolCallStream`; None without tools). If the client
     disconnects, Starlette cancels this generator; closing `outputs` in the `finally` aborts the
     requests on the engine thread, which frees their KV blocks.
     """
@@ -226,7 +225,7 @@ async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, promp
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    completion_tokens, firsts = 0, []
+    completion_tokens = 0
     started = set()  # the chat choices that had their role chunk
     try:
         async for index, out in outputs:
@@ -241,11 +240,26 @@ async def sse_events(outputs, meta: dict, chat: bool, include_usage: bool, promp
             if out.finished:
                 yield chunk(index, None if chat else "", out.finish_reason, found=found)
                 completion_tokens += len(out.token_ids)
-                firsts += [out] if index % n == 0 else []
         if include_usage:
-            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, firsts)}
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()
     # <<< week11: sse-events
+
+
+async def with_cached_tokens(events, cached_tokens: int):
+    """Issue 38: `prompt_tokens_details.cached_tokens` written into a stream's usage chunk (the one
+    with no choices, which `sse_events` ends with when asked). The count is known before the stream
+    starts, from each prompt's first output; passing it through here keeps week 11's `sse_events` as
+    it was taught."""
+    try:
+        async for event in events:
+            if cached_tokens and event.startswith('data: {"') and '"choices": []' in event:
+                payload = json.loads(event[len("data: "):])
+                payload["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+                event = f"data: {json.dumps(payload)}\n\n"
+            yield event
+    finally:
+        await events.aclose()
