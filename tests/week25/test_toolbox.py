@@ -37,8 +37,22 @@ def call(box: ToolBox, name: str, arguments) -> ToolResult:
     return asyncio.run(box.call(name, arguments))
 
 
+_before: set[int] = set()  # this worker's child processes when the running test began
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    """Children that another test of this worker still holds (a module's server and its MCP server,
+    under xdist) are not this test's: remember them."""
+    _before.clear()
+    _before.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+
+
 def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """The processes this test started that are still alive."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in _before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def mcp_config(tmp_path: Path, servers: dict) -> str:
