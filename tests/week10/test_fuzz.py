@@ -123,8 +123,13 @@ def test_fuzz_no_5xx_and_openai_errors(server, operations):
     posts = [op for name, op in operations.items() if name.startswith("POST")]
     # Both modes for each, but no negative one without a body to break (issue 38's POST
     # /v1/models/{name}/load: a name can only be unknown)
+    # The Messages routes (issue 38) get fitting bodies only: schemathesis 4.32.5 fails while
+    # generating breaking ones for their content-block unions ("Cannot generate an array with 1
+    # demanded elements"), before any request is sent. Their refusals are tested one by one in
+    # tests/week25/test_messages_api.py.
     runs = [(op, mode) for op in posts for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-            if mode == GenerationMode.POSITIVE or "requestBody" in op.definition.raw]
+            if mode == GenerationMode.POSITIVE
+            or ("requestBody" in op.definition.raw and not op.path.startswith("/v1/messages"))]
     sent, statuses = 0, Counter()
     for op, mode in runs:
         sent += fuzz(server, op, mode, FUZZ_CASES // len(runs) + 1, statuses)
