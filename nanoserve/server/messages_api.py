@@ -131,16 +131,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     """The two routes, their errors in Anthropic's shape; their bodies' models are published in
     /openapi.json (`messages_schema.add_messages_models`)."""
 
-    @app.post(MESSAGES_PATH, openapi_extra=request_body(MessagesRequest))
-    async def messages_endpoint(request: Request):
-        try:
-            return await messages(state, request)
-        except APIError as e:
-            return error_response(e)
+    def route(path: str, model, handler, name: str) -> None:
+        async def endpoint(request: Request):
+            try:
+                return await handler(state, request)
+            except APIError as e:
+                return error_response(e)
 
-    @app.post(COUNT_TOKENS_PATH, openapi_extra=request_body(CountTokensRequest))
-    async def count_tokens_endpoint(request: Request):
-        try:
-            return await count_tokens(state, request)
-        except APIError as e:
-            return error_response(e)
+        app.post(path, openapi_extra=request_body(model), name=name)(endpoint)
+
+    route(MESSAGES_PATH, MessagesRequest, messages, "messages_endpoint")
+    route(COUNT_TOKENS_PATH, CountTokensRequest, count_tokens, "count_tokens_endpoint")
