@@ -109,19 +109,24 @@ def main() -> None:
     def med(way: str, k: int, i: int) -> float:
         return statistics.median(rep[k][i] for rep in got[way])
 
+    def spread(way: str, k: int) -> str:  # a round's TTFT, lowest to highest over the repetitions, in ms
+        times = [rep[k][2] * 1e3 for rep in got[way]]
+        return f"{min(times):,.0f}–{max(times):,.0f}"
+
     print(f"model {args.model}, float32, CPU ({torch.get_num_threads()} torch thread(s)), prefix caching off, "
           f"{args.rounds} rounds, answers of {args.max_tokens} tokens, tool results of about {args.result_tokens} "
           f"tokens, median of {args.reps}; answers equal in both ways: {same}")
     print("| round | prompt tokens | prefilled, resume | prefilled, re-prefill | TTFT resume (ms) "
           "| TTFT re-prefill (ms) | TTFT ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")  # TTFT: median (lowest–highest)
     totals = [0, 0, 0, 0.0, 0.0]
     for k in range(args.rounds):
         p, a, b = med("resume", k, 0), med("resume", k, 1), med("prefill", k, 1)
         ta, tb = med("resume", k, 2) * 1e3, med("prefill", k, 2) * 1e3
         for i, v in enumerate((p, a, b, ta, tb)):
             totals[i] += v
-        print(f"| {k} | {p:,.0f} | {a:,.0f} | {b:,.0f} | {ta:,.0f} | {tb:,.0f} | {tb / ta:.1f} |")
+        print(f"| {k} | {p:,.0f} | {a:,.0f} | {b:,.0f} | {ta:,.0f} ({spread('resume', k)}) "
+              f"| {tb:,.0f} ({spread('prefill', k)}) | {tb / ta:.1f} |")
     p, a, b, ta, tb = totals
     print(f"| all | {p:,.0f} | {a:,.0f} | {b:,.0f} | {ta:,.0f} | {tb:,.0f} | {tb / ta:.1f} |")
 
