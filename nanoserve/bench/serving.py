@@ -52,10 +52,15 @@ def bench_serving(args, reference: bool = False) -> dict:
                 time.sleep(0.5)
         vocab = vocab_size_of(model_dir)
         asyncio.run(run_rate(url, 8.0, 4, (16, 32), (4, 8), vocab, seed=99))  # warm-up
+        # A disaggregated pair (issue 35): its decode instance, one port above the proxy's prefill one, counts
+        # the KV it received; read before and after each rate, the difference is that rate's transfers.
+        decode_url = f"http://127.0.0.1:{args.port + 2}" if "--disaggregated" in args.server_args.split() else None
         rows = []
         for i, rate in enumerate(map(float, args.rates.split(","))):
+            before = kv_received(decode_url)
             rows.append(asyncio.run(run_rate(url, rate, args.requests, args.prompt_range, args.serving_output_range,
                                               vocab, seed=i)))
+            rows[-1].update(kv_transfer_row(before, kv_received(decode_url)))
     finally:
         server.terminate()
         server.wait(60)
@@ -63,7 +68,9 @@ def bench_serving(args, reference: bool = False) -> dict:
                 f"U{list(args.serving_output_range)}", rows,
                 [("rate", "req/s", ".1f"), ("output_tok_s", "output tok/s", ",.0f"),
                  ("ttft_p50_ms", "TTFT p50 ms", ".1f"), ("ttft_p99_ms", "TTFT p99 ms", ".1f"),
-                 ("itl_p50_ms", "ITL p50 ms", ".1f"), ("itl_p99_ms", "ITL p99 ms", ".1f")])
+                 ("itl_p50_ms", "ITL p50 ms", ".1f"), ("itl_p99_ms", "ITL p99 ms", ".1f")]
+                + ([("kv_transfers", "KV moved", "d"), ("kv_ms_per_transfer", "ms a transfer", ".2f"),
+                    ("kv_gb_per_s", "GB/s", ".1f")] if any("kv_transfers" in r for r in rows) else []))
     result = dict(model=str(args.model), kv_blocks=health.get("kv_blocks_total"), prompt_len=args.prompt_range,
                   output_len=args.serving_output_range, rows=rows)
 
@@ -126,6 +133,35 @@ async def run_rate(url: str, rate: float, n: int, prompt_len: tuple[int, int], o
     return dict(rate=rate, requests=n, seconds=elapsed, output_tok_s=out_tokens / elapsed,
                 ttft_p50_ms=1e3 * percentile(ttft, 50), ttft_p99_ms=1e3 * percentile(ttft, 99),
                 itl_p50_ms=1e3 * percentile(itl, 50), itl_p99_ms=1e3 * percentile(itl, 99))
+
+
+def kv_received(url: str | None) -> dict | None:
+    """An instance's received-KV counters from its /metrics (None without an instance to ask)."""
+    if url is None:
+        return None
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"nanoserve:kv_transfers": "count", "nanoserve:kv_transfer_bytes": "bytes",
+             "nanoserve:kv_transfer_seconds": "seconds"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in names and sample.labels.get("direction", "received") == "received":
+                out[names[name]] = sample.value
+    return out
+
+
+def kv_transfer_row(before: dict | None, after: dict | None) -> dict:
+    """The KV transfers between two readings: how many, their mean time (from the pull to the bytes
+    in the blocks, queueing behind earlier pulls included) and bytes over those seconds."""
+    if before is None or after is None:
+        return {}
+    count, num_bytes, seconds = (after[k] - before[k] for k in ("count", "bytes", "seconds"))
+    return dict(kv_transfers=int(count), kv_gb=num_bytes / 1e9,
+                kv_ms_per_transfer=1e3 * seconds / count if count else float("nan"),
+                kv_gb_per_s=num_bytes / 1e9 / seconds if seconds else float("nan"))
 
 
 def engine_options(args: argparse.Namespace) -> list[str]:

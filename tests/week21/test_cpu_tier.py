@@ -337,6 +337,23 @@ def test_async_scheduling_runs_the_copies_one_step_ahead(ckpt):
     assert llm.engine.prefix_cache_stats()["cpu_hit_tokens"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_on_a_gpu_the_pinned_tier_and_its_side_stream_keep_the_tokens(ckpt, async_scheduling):
+    """The CUDA path: the CPU tier in pinned host memory, its copies on a side stream ordered
+    against CUDA-graph decode steps (and, with async scheduling, a step ahead): the same greedy
+    tokens as without caching, in float32, with blocks really reloaded."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run `pytest -m gpu tests/week21` on a GPU machine")
+    path, _ = ckpt
+    kw = dict(dtype=torch.float32, device="cuda", block_size=4, num_blocks=12, async_scheduling=async_scheduling)
+    expected = conversations(LLM(str(path), enable_prefix_caching=False, **kw))
+    llm = LLM(str(path), enable_prefix_caching=True, cpu_offload_gb=0.001, **kw)
+    assert conversations(llm) == expected
+    stats = llm.engine.prefix_cache_stats()
+    assert stats["cpu_hit_tokens"] > 0 and stats["reloads"] > 0 and stats["offloads"] > 0
+
+
 # ------------------------------------------------------------------------------ the option
 
 
