@@ -8,7 +8,7 @@ import torch
 from nanoserve.model.moe import combine, experts_loop, route
 
 pytest.importorskip("triton", reason="week 24's kernels need the triton package: pip install triton (Linux)")
-from nanoserve.kernels.moe import align_by_expert, fused_moe  # noqa: E402
+from nanoserve.kernels.moe import align_by_expert, align_by_expert_triton, fused_moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,6 +96,85 @@ def test_every_pair_lands_once_in_a_block_of_its_expert(tokens, k, experts, bloc
     assert torch.equal(used, used.sort().values)  # blocks in expert order, then the unused ones
 
 
+# --------------------------------------------------------------- the alignment in two Triton kernels
+
+
+def aligned_by_hand(ids, experts, block_m):
+    """The contract written out in Python: each expert's pairs in increasing order, its group from a
+    multiple of block_m, the sentinel T·k elsewhere, -1 for blocks past the last group."""
+    flat = ids.flatten().tolist()
+    size = -(-(len(flat) + experts * (block_m - 1)) // block_m) * block_m
+    pairs, owners = [], []
+    for e in range(experts):
+        group = [p for p, chosen in enumerate(flat) if chosen == e]
+        group += [len(flat)] * (-len(group) % block_m)
+        pairs += group
+        owners += [e] * (len(group) // block_m)
+    return pairs + [len(flat)] * (size - len(pairs)), owners + [-1] * (size // block_m - len(owners))
+
+
+def check_alignment_kernel(ids, experts, block_m):
+    pairs, block_expert = align_by_expert_triton(ids.to(DEVICE), experts, block_m)
+    assert pairs.dtype == block_expert.dtype == torch.int32 and pairs.device.type == DEVICE
+    assert (pairs.tolist(), block_expert.tolist()) == aligned_by_hand(ids, experts, block_m)
+
+
+def test_alignment_kernel_on_the_lessons_examples():
+    pad = 6
+    pairs, block_expert = align_by_expert_triton(torch.tensor([[0, 2], [2, 1], [2, 0]], device=DEVICE), 4, 4)
+    assert pairs.tolist() == [0, 5, pad, pad, 3, pad, pad, pad, 1, 2, 4] + [pad] * 9
+    assert block_expert.tolist() == [0, 1, 2, -1, -1]
+    pairs, block_expert = align_by_expert_triton(torch.tensor([[1], [1], [1]], device=DEVICE), 2, 2)
+    assert pairs.tolist() == [0, 1, 2, 3, 3, 3] and block_expert.tolist() == [1, 1, -1]
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [
+    (1, 1, 8, 16),  # a single pair
+    (1, 2, 8, 16),  # one decode row
+    (37, 4, 16, 16),
+    (9, 1, 3, 4),
+    (64, 2, 8, 1),  # blocks of one row: no padding at all
+    (1500, 2, 8, 64),  # 3,000 pairs: three chunks of 1,024
+    (700, 4, 60, 16),  # Qwen1.5-MoE's 60 experts of 4: chunks of 128 pairs
+    (600, 4, 256, 16),  # 75 chunks of 32: the count table read in three tiles
+])
+def test_alignment_kernel_keeps_the_contract(tokens, k, experts, block_m):
+    """Random routings: the same lists as the contract written out (so as `align_by_expert`'s, order included)."""
+    ids = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens + experts))
+    check_alignment_kernel(ids, experts, block_m)
+
+
+@pytest.mark.parametrize("name", ["all to one expert", "ties", "some experts empty", "group of exactly block_m"])
+def test_alignment_kernel_on_skewed_routings(name):
+    g = torch.Generator().manual_seed(3)
+    ids = {"all to one expert": torch.full((300, 1), 5),
+           "ties": torch.tensor([[0, 1]] * 40),  # a router of zeros: every token to experts 0 and 1
+           "some experts empty": torch.tensor([1, 3, 6])[torch.randint(0, 3, (50, 2), generator=g)],
+           "group of exactly block_m": torch.tensor([[0, 2]] * 16)}[name]
+    check_alignment_kernel(ids, 8, 16)
+
+
+def test_alignment_kernel_with_no_pairs():
+    """No pair (fused_moe returns before aligning; the kernels still give the contract's lists)."""
+    pairs, block_expert = align_by_expert_triton(torch.zeros(0, 2, dtype=torch.long, device=DEVICE), 8, 16)
+    assert pairs.tolist() == [0] * 128 and block_expert.tolist() == [-1] * 8
+
+
+@pytest.mark.gpu
+def test_alignment_kernel_replays_in_a_cuda_graph():
+    """Captured once, replayed on three routings of the same shape: each replay gives that routing's lists."""
+    ids = torch.zeros(64, 2, dtype=torch.long, device="cuda")
+    align_by_expert_triton(ids, 8, 16)  # compile before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pairs, block_expert = align_by_expert_triton(ids, 8, 16)
+    for seed in range(3):
+        routing = torch.randint(0, 8 if seed else 2, (64, 2), generator=torch.Generator().manual_seed(seed))
+        ids.copy_(routing)
+        graph.replay()
+        assert (pairs.tolist(), block_expert.tolist()) == aligned_by_hand(routing, 8, 16)
+
+
 # ----------------------------------------------------------------------------------- the kernels
 
 
@@ -132,6 +211,16 @@ def test_all_tokens_to_one_expert():
     expected = weights[:, :1] * swiglu(x, w13[5], w2[5]) + weights[:, 1:] * swiglu(x, w13[2], w2[2])
     torch.testing.assert_close(experts_loop(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.exercise("grouped-gate-up")
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [(1, 64, 32, 8, 2), (40, 64, 96, 8, 2), (7, 48, 40, 60, 4)])
+def test_fused_kernels_with_the_alignment_kernel_equal_the_loop(tokens, hidden, inter, experts, k):
+    """fused_moe aligning by `align_by_expert_triton` (its default on CUDA; asked for here, so the
+    interpreter runs it on the CPU too): the loop's output."""
+    x, w13, w2, weights, ids = moe_inputs(tokens, hidden, inter, experts, k, seed=tokens)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, align_kernel=True),
+                               experts_loop(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_no_tokens():
