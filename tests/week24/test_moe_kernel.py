@@ -257,8 +257,7 @@ def test_fused_kernels_in_bfloat16_on_the_gpu(tokens):
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
-def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
-    """`scripts/bench_moe.py --tiny` (the GPU benchmark's smoke test): a table, exit code 0."""
+def load_bench():
     import importlib.util
     from pathlib import Path
 
@@ -266,6 +265,51 @@ def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
     spec = importlib.util.spec_from_file_location("bench_moe", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--tiny", "--tokens", "8"]) == 0
+    return bench
+
+
+def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
+    """`scripts/bench_moe.py --tiny` (the GPU benchmark's smoke test): a table, exit code 0."""
+    assert load_bench().main(["--tiny", "--tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "loop/fused" in out and "\n      8      16 " in out
+    assert "loop/fused" in out and "torch al." in out and "\n      8      16 " in out
+
+
+def test_the_benchmark_script_in_separate_processes(capsys, tmp_path):
+    """`--processes 2`: two children, each measuring once; the medians with their ranges, as JSON too."""
+    import json
+
+    assert load_bench().main(["--tiny", "--tokens", "8", "--processes", "2", "--json-out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "process 2/2: done" in out and "medians across 2 separate processes" in out
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert row["tokens"] == 8 and row["runs"] == 2
+    for figure in ("loop_ms", "fused_ms", "align_ms", "align_torch_ms", "dense_ms"):
+        assert row[figure + "_min"] <= row[figure] <= row[figure + "_max"]
+
+
+def test_the_benchmark_sweep_on_a_tiny_block(tmp_path):
+    """`--sweep --tiny`: every candidate tile timed (through the interpreter) and the best one named."""
+    import json
+
+    assert load_bench().main(["--tiny", "--sweep", "--tokens", "8", "--sweep-out", str(tmp_path / "s.json")]) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert len(result["rows"]) == 2 and all(r["rel_error"] < 1e-4 and r["fused_ms"] > 0 for r in result["rows"])
+    assert result["best"]["8"]["fused_ms"] == min(r["fused_ms"] for r in result["rows"])
+    assert result["gpu_tiles"].startswith("GPU_TILES") and 'float("inf")' in result["gpu_tiles"]
+
+
+def test_the_sweeps_table_for_moe_blocks_for():
+    """The fastest tiles at 1 .. 4,096 tokens (top-2 of 8) become GPU_TILES: bounds at the geometric
+    mean of neighbouring counts' rows per expert, equal neighbours merged, the last bound infinite."""
+    from nanoserve.kernels import moe
+
+    bench = load_bench()
+    small, large = (16, 64, 64, 4, 3), (64, 128, 64, 8, 4)
+    best = {t: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), small if t < 256 else large))
+            for t in (1, 16, 64, 256, 1024, 4096)}
+    text = bench.suggested_table(best, top_k=2, num_experts=8)
+    namespace = {}
+    exec(text, {}, namespace)
+    assert namespace["GPU_TILES"] == [(32.0, best[1]), (float("inf"), best[4096])]  # sqrt(64 * 256) * 2 / 8 = 32
+    assert [bound for bound, _ in moe.GPU_TILES][-1] == float("inf")
