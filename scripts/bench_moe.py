@@ -14,6 +14,8 @@ expert, 8 experts, top-2), timed three ways at each token count:
     python scripts/bench_moe.py --sweep --sweep-out sweep.json
                                                  # time tile configurations of the grouped kernels at
                                                  # 1 to 4096 tokens; print the best as a GPU_TILES table
+    python scripts/bench_moe.py --processes 5 --tiles sweep.json
+                                                 # with the sweep's tiles, before they are in the code
     python scripts/bench_moe.py --tiny           # anywhere: a tiny block through Triton's interpreter on
                                                  # the CPU, to check the script runs (its times mean nothing)
 
@@ -48,7 +50,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nanoserve  # noqa: E402
-from nanoserve.kernels.moe import align_by_expert, align_by_expert_triton, fused_moe, moe_blocks_for  # noqa: E402
+from nanoserve.kernels.moe import (GPU_TILES, align_by_expert, align_by_expert_triton, fused_moe,  # noqa: E402
+                                   moe_blocks_for)
 from nanoserve.model.moe import experts_loop, route  # noqa: E402
 
 TINY = dict(hidden=64, ffn=96, experts=8, top_k=2, iters=2, warmup=1)
@@ -177,11 +180,11 @@ def tile_name(t: dict) -> str:
     return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']}"
 
 
-def suggested_table(best: dict[int, dict], top_k: int, num_experts: int) -> str:
-    """GPU_TILES's text from each token count's fastest tiles: a bound between two measured counts
-    at their rows per expert's geometric mean; neighbours with the same tiles merged."""
+def suggested_tiles(best: dict[int, dict], top_k: int, num_experts: int) -> list[tuple[float, dict[str, int]]]:
+    """GPU_TILES from each token count's fastest tiles: a bound between two measured counts at their
+    rows per expert's geometric mean; neighbours with the same tiles merged."""
     counts = sorted(best)
-    entries: list[tuple[float, dict]] = []
+    entries: list[tuple[float, dict[str, int]]] = []
     for i, tokens in enumerate(counts):
         tiles = {k: best[tokens][k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
         bound = (math.sqrt(tokens * counts[i + 1]) * top_k / num_experts) if i + 1 < len(counts) else math.inf
@@ -189,12 +192,23 @@ def suggested_table(best: dict[int, dict], top_k: int, num_experts: int) -> str:
             entries[-1] = (bound, tiles)
         else:
             entries.append((bound, tiles))
+    return entries
+
+
+def tiles_text(entries: list[tuple[float, dict[str, int]]]) -> str:
+    """The table as Python, to paste over GPU_TILES in nanoserve/kernels/moe.py."""
     lines = ["GPU_TILES: list[tuple[float, dict[str, int]]] = ["]
     for bound, t in entries:
         text = 'float("inf")' if bound == math.inf else f"{bound:g}"
         lines.append(f"    ({text}, dict(BLOCK_M={t['BLOCK_M']}, BLOCK_N={t['BLOCK_N']}, BLOCK_K={t['BLOCK_K']}, "
                      f"num_warps={t['num_warps']}, num_stages={t['num_stages']})),")
     return "\n".join(lines + ["]"])
+
+
+def use_swept_tiles(path: str) -> None:
+    """`--tiles PATH`: GPU_TILES, for this run only, from a sweep's JSON (before pasting it into the code)."""
+    entries = json.loads(Path(path).read_text())["gpu_tiles_entries"]
+    GPU_TILES[:] = [(math.inf if bound is None else bound, tiles) for bound, tiles in entries]
 
 
 def run_sweep(args, w13, w2, title: str, results: dict) -> None:
@@ -223,7 +237,9 @@ def print_sweep(results: dict, args) -> None:
         print(f"{tokens:>7} {tokens * args.top_k / args.experts:>11g} {tile_name(b):<26} {b['fused_ms']:>8.3f} "
               f"{now_text:>13}")
     if results["best"]:
-        results["gpu_tiles"] = suggested_table(results["best"], args.top_k, args.experts)
+        entries = suggested_tiles({int(t): b for t, b in results["best"].items()}, args.top_k, args.experts)
+        results["gpu_tiles"] = tiles_text(entries)  # to paste; and for --tiles (JSON has no infinity):
+        results["gpu_tiles_entries"] = [(None if bound == math.inf else bound, t) for bound, t in entries]
         print("\nfor nanoserve/kernels/moe.py (GPU_TILES):\n" + results["gpu_tiles"])
     sys.stdout.flush()
 
@@ -326,6 +342,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="time the grouped kernels' tile configurations instead")
     ap.add_argument("--sweep-out", default=None, help="with --sweep: write every timing and the best tiles as JSON")
     ap.add_argument("--json-out", default=None, help="write the rows (with --processes: the medians) as JSON")
+    ap.add_argument("--tiles", default=None,
+                    help="a --sweep-out JSON: its best tiles as GPU_TILES for this run (default: the code's table)")
     ap.add_argument("--tiny", action="store_true", help="a tiny block (on the CPU: Triton's interpreter): a smoke test")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -354,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.tiny:
         print("bench_moe times Triton kernels on a CUDA GPU; without one, run it with --tiny (a smoke test)")
         return 2
+    if args.tiles:
+        use_swept_tiles(args.tiles)
     title = (f"MoE block: hidden {args.hidden}, {args.experts} experts of {args.ffn} features, top-{args.top_k}, "
-             f"{args.dtype}, {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}")
+             f"{args.dtype}, {torch.cuda.get_device_name() if cuda else 'CPU (Triton interpreter)'}"
+             + (f", tiles from {args.tiles}" if args.tiles else ""))
     if args.processes > 0 and not args.sweep:
         runs = run_children(sys.argv[1:] if argv is None else argv, args)
         if not runs:

@@ -299,6 +299,23 @@ def test_the_benchmark_sweep_on_a_tiny_block(tmp_path):
     assert result["gpu_tiles"].startswith("GPU_TILES") and 'float("inf")' in result["gpu_tiles"]
 
 
+def test_the_benchmark_takes_a_sweeps_tiles(tmp_path):
+    """`--tiles sweep.json` puts the sweep's table in GPU_TILES for the run (so that the figures after
+    a sweep need no edit of the code); the table is restored here afterwards."""
+    import json
+
+    from nanoserve.kernels.moe import GPU_TILES, moe_blocks_for
+
+    bench, saved = load_bench(), list(GPU_TILES)
+    tiles = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    (tmp_path / "s.json").write_text(json.dumps({"gpu_tiles_entries": [[None, tiles]]}))
+    try:
+        assert bench.main(["--tiny", "--tokens", "8", "--tiles", str(tmp_path / "s.json")]) == 0
+        assert moe_blocks_for(2, 8, interpreted=False) == tiles == moe_blocks_for(10**6, 8, interpreted=False)
+    finally:
+        GPU_TILES[:] = saved
+
+
 def test_the_sweeps_table_for_moe_blocks_for():
     """The fastest tiles at 1 .. 4,096 tokens (top-2 of 8) become GPU_TILES: bounds at the geometric
     mean of neighbouring counts' rows per expert, equal neighbours merged, the last bound infinite."""
@@ -308,7 +325,7 @@ def test_the_sweeps_table_for_moe_blocks_for():
     small, large = (16, 64, 64, 4, 3), (64, 128, 64, 8, 4)
     best = {t: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), small if t < 256 else large))
             for t in (1, 16, 64, 256, 1024, 4096)}
-    text = bench.suggested_table(best, top_k=2, num_experts=8)
+    text = bench.tiles_text(bench.suggested_tiles(best, top_k=2, num_experts=8))
     namespace = {}
     exec(text, {}, namespace)
     assert namespace["GPU_TILES"] == [(32.0, best[1]), (float("inf"), best[4096])]  # sqrt(64 * 256) * 2 / 8 = 32
