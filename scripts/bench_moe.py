@@ -141,8 +141,8 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def sweep_tiles(rows_per_expert: float, tiny: bool) -> list[dict[str, int]]:
-    """The tiles worth timing when experts get this many rows on average: BLOCK_M up to 4 times that
-    (at least 64), and no block of a tenth of it or less (at most 64)."""
+    """The tiles worth timing when experts get this many rows on average: BLOCK_M at most 4 times that
+    (64 always allowed) and at least an eighth of it (64 always allowed)."""
     tiles = TINY_TILES if tiny else [t for t in SWEEP_TILES
                                      if min(64, rows_per_expert / 8) <= t[0] <= max(64, 4 * rows_per_expert)]
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
