@@ -20,6 +20,10 @@ products where one large one would do, and 8 host round trips. Here:
 
 Blocks past the last expert's padded list have no expert (-1) and return at once; a padded entry
 (the sentinel) loads zeros and stores nothing.
+
+On a GPU, step 1 is `align_by_expert_triton`: the same lists in two small kernels (`_count_kernel`,
+`_place_kernel`) instead of a dozen PyTorch operations; `align_by_expert` stays the CPU path and the
+lesson's reference.
 """
 
 from __future__ import annotations
@@ -55,6 +59,76 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return pairs, block_expert
     # <<< week24: align-tokens
+
+
+@triton.jit
+def _count_kernel(Ids, Counts, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Counts[c, e] = how many of chunk c's pairs (c*CHUNK .. (c+1)*CHUNK - 1) chose expert e."""
+    chunk = tl.program_id(0)
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    e = tl.arange(0, E_PAD)
+    expert = tl.load(Ids + p, mask=p < num_pairs, other=-1)
+    hits = (expert[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]: one 1 per real pair
+    tl.store(Counts + chunk * E_PAD + e, tl.sum(hits, axis=0))
+
+
+@triton.jit
+def _place_kernel(Ids, Counts, Pairs, BlockExpert, num_pairs, num_chunks, num_experts, size,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Program c: writes chunk c's pairs at their places, then entries c*CHUNK .. (c+1)*CHUNK - 1 of
+    Pairs where no pair lands (the sentinel) and the expert of each block starting among them."""
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    # every expert's pairs, in all chunks and in the chunks before this one (in pair order)
+    total = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in range(0, num_chunks, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        rows = tl.load(Counts + r[:, None] * E_PAD + e[None, :], mask=r[:, None] < num_chunks, other=0)
+        total += tl.sum(rows, axis=0)
+        before += tl.sum(tl.where(r[:, None] < chunk, rows, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]: each group, padded (0 if no pair)
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded  # [E_PAD]: where each expert's group begins, a multiple of BLOCK_M
+    # this chunk's pairs: the group's start + the same expert's pairs in earlier chunks + in this one
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(Ids + p, mask=p < num_pairs, other=-1)
+    hits = (expert[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    earlier = tl.cumsum(hits, axis=0) - hits  # same-expert pairs before each one in the chunk
+    place = tl.sum(hits * (earlier + (start + before)[None, :]), axis=1)  # [CHUNK]
+    tl.store(Pairs + place, p.to(tl.int32), mask=p < num_pairs)
+    # this chunk's entries: the sentinel where no pair lands (disjoint from the stores above)
+    s = chunk * CHUNK + tl.arange(0, CHUNK)
+    taken = (s[:, None] >= start[None, :]) & (s[:, None] < (start + total)[None, :])  # [CHUNK, E_PAD]
+    tl.store(Pairs + s, num_pairs, mask=(s < size) & (tl.sum(taken.to(tl.int32), axis=1) == 0))
+    # a block's expert: how many groups end at or before its first entry (E or more: none, -1)
+    owner = tl.sum((end[None, :] <= s[:, None]).to(tl.int32), axis=1)
+    tl.store(BlockExpert + s // BLOCK_M, tl.where(owner < num_experts, owner, -1),
+             mask=(s < size) & (s % BLOCK_M == 0))
+
+
+def align_by_expert_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert` in two launches, with the same result (pairs in token order within each expert).
+
+    `_count_kernel` counts each chunk's pairs per expert; `_place_kernel` sums those counts (every
+    program reads the whole [chunks, E] table: no third launch for a prefix sum), places its chunk's
+    pairs, and fills the sentinels and block experts of its share of the entries. Every size follows
+    from T * k and E: no value goes to the host, and a CUDA graph can hold both launches.
+    """
+    flat = ids.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    size = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m  # as align_by_expert
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = max(16, 8192 // e_pad)  # a [chunk, E_PAD] tile: 8192 numbers, 32 per thread of 8 warps
+    num_chunks = max(1, triton.cdiv(num_pairs, chunk))
+    counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=ids.device)
+    pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    _count_kernel[(num_chunks,)](flat, counts, num_pairs, CHUNK=chunk, E_PAD=e_pad, num_warps=8)
+    _place_kernel[(max(1, triton.cdiv(size, chunk)),)](
+        flat, counts, pairs, block_expert, num_pairs, num_chunks, num_experts, size,
+        BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, num_warps=8)
+    return pairs, block_expert
 
 
 @triton.jit
@@ -121,20 +195,36 @@ def _down_kernel(Act, W, Out, Pairs, BlockExpert, Weights, num_pairs, hidden, in
                  mask=real[:, None] & (n[None, :] < hidden))
 
 
+# The grouped kernels' tiles on a GPU, by the rows an expert gets on average (T * k / E): the first
+# entry whose bound is at least that. Chosen, not yet tuned: `python scripts/bench_moe.py --sweep`
+# times a list of tiles on a Mixtral-8x7B block (bf16, top-2 of 8) at 1 to 4,096 tokens and prints
+# this table with each token count's fastest tiles (bound: between two measured counts, their
+# geometric mean). Measured on: not yet (the values below are the first choice).
+GPU_TILES: list[tuple[float, dict[str, int]]] = [
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (float("inf"), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+]
+
+
 def moe_blocks_for(num_pairs: int, num_experts: int, interpreted: bool) -> dict[str, int]:
-    """Tile sizes: BLOCK_M near the rows an expert gets on average (16 for decode batches, where
-    most of a bigger block would be padding; 64 once experts get hundreds), wide N and K tiles on a
-    GPU, small ones in the interpreter (it runs every program in Python)."""
+    """Tile sizes: on a GPU from `GPU_TILES` (BLOCK_M near the rows an expert gets: a decode batch's
+    experts get a few rows, and most of a bigger block would be padding); small ones in the
+    interpreter (it runs every program in Python). A table, not `triton.autotune`: BLOCK_M shapes the
+    alignment, which runs before the kernels, and each new size met while serving would stop to time
+    every candidate."""
     if interpreted:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     per_expert = num_pairs / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m < 64 else 128, BLOCK_K=64, num_warps=4 if block_m < 64 else 8)
+    return dict(next(tiles for bound, tiles in GPU_TILES if per_expert <= bound))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              blocks: dict[str, int] | None = None) -> torch.Tensor:
-    """`nanoserve.model.moe.experts_loop` in two grouped kernels: x [T, H] -> [T, H] in x's dtype."""
+              blocks: dict[str, int] | None = None, align_kernel: bool | None = None) -> torch.Tensor:
+    """`nanoserve.model.moe.experts_loop` in two grouped kernels: x [T, H] -> [T, H] in x's dtype.
+
+    align_kernel: align by `align_by_expert_triton` (True) or `align_by_expert` (False); by default
+    the first on CUDA, the second elsewhere."""
     T, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter, num_pairs = two_inter // 2, T * top_k
@@ -143,18 +233,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     blocks = blocks or moe_blocks_for(num_pairs, num_experts, not x.is_cuda)
     bm, bn, bk, warps = blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], blocks["num_warps"]
-    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    stages = blocks.get("num_stages", 3)  # 3: Triton's own default on NVIDIA GPUs
+    align = align_by_expert_triton if (x.is_cuda if align_kernel is None else align_kernel) else align_by_expert
+    pairs, block_expert = align(ids, num_experts, bm)
     act = x.new_empty(pairs.numel(), inter)  # by sorted row; padded rows stay unwritten and unread
     ieee = x.dtype == torch.float32
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, bn))](
         x, w13, act, pairs, block_expert, num_pairs, top_k, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps, num_stages=stages)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # every row written once
     _down_kernel[(block_expert.numel(), triton.cdiv(hidden, bn))](
         act, w2, pair_out, pairs, block_expert, weights.float().contiguous(), num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps, num_stages=stages)
     return pair_out.view(T, top_k, hidden).sum(dim=1).to(x.dtype)  # the combine, slot by slot (weights are in)
 
 

@@ -8,7 +8,7 @@ import torch
 from nanoserve.model.moe import combine, experts_loop, route
 
 pytest.importorskip("triton", reason="week 24's kernels need the triton package: pip install triton (Linux)")
-from nanoserve.kernels.moe import align_by_expert, fused_moe  # noqa: E402
+from nanoserve.kernels.moe import align_by_expert, align_by_expert_triton, fused_moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,6 +96,85 @@ def test_every_pair_lands_once_in_a_block_of_its_expert(tokens, k, experts, bloc
     assert torch.equal(used, used.sort().values)  # blocks in expert order, then the unused ones
 
 
+# --------------------------------------------------------------- the alignment in two Triton kernels
+
+
+def aligned_by_hand(ids, experts, block_m):
+    """The contract written out in Python: each expert's pairs in increasing order, its group from a
+    multiple of block_m, the sentinel T·k elsewhere, -1 for blocks past the last group."""
+    flat = ids.flatten().tolist()
+    size = -(-(len(flat) + experts * (block_m - 1)) // block_m) * block_m
+    pairs, owners = [], []
+    for e in range(experts):
+        group = [p for p, chosen in enumerate(flat) if chosen == e]
+        group += [len(flat)] * (-len(group) % block_m)
+        pairs += group
+        owners += [e] * (len(group) // block_m)
+    return pairs + [len(flat)] * (size - len(pairs)), owners + [-1] * (size // block_m - len(owners))
+
+
+def check_alignment_kernel(ids, experts, block_m):
+    pairs, block_expert = align_by_expert_triton(ids.to(DEVICE), experts, block_m)
+    assert pairs.dtype == block_expert.dtype == torch.int32 and pairs.device.type == DEVICE
+    assert (pairs.tolist(), block_expert.tolist()) == aligned_by_hand(ids, experts, block_m)
+
+
+def test_alignment_kernel_on_the_lessons_examples():
+    pad = 6
+    pairs, block_expert = align_by_expert_triton(torch.tensor([[0, 2], [2, 1], [2, 0]], device=DEVICE), 4, 4)
+    assert pairs.tolist() == [0, 5, pad, pad, 3, pad, pad, pad, 1, 2, 4] + [pad] * 9
+    assert block_expert.tolist() == [0, 1, 2, -1, -1]
+    pairs, block_expert = align_by_expert_triton(torch.tensor([[1], [1], [1]], device=DEVICE), 2, 2)
+    assert pairs.tolist() == [0, 1, 2, 3, 3, 3] and block_expert.tolist() == [1, 1, -1]
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [
+    (1, 1, 8, 16),  # a single pair
+    (1, 2, 8, 16),  # one decode row
+    (37, 4, 16, 16),
+    (9, 1, 3, 4),
+    (64, 2, 8, 1),  # blocks of one row: no padding at all
+    (1500, 2, 8, 64),  # 3,000 pairs: three chunks of 1,024
+    (700, 4, 60, 16),  # Qwen1.5-MoE's 60 experts of 4: chunks of 128 pairs
+    (600, 4, 256, 16),  # 75 chunks of 32: the count table read in three tiles
+])
+def test_alignment_kernel_keeps_the_contract(tokens, k, experts, block_m):
+    """Random routings: the same lists as the contract written out (so as `align_by_expert`'s, order included)."""
+    ids = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens + experts))
+    check_alignment_kernel(ids, experts, block_m)
+
+
+@pytest.mark.parametrize("name", ["all to one expert", "ties", "some experts empty", "group of exactly block_m"])
+def test_alignment_kernel_on_skewed_routings(name):
+    g = torch.Generator().manual_seed(3)
+    ids = {"all to one expert": torch.full((300, 1), 5),
+           "ties": torch.tensor([[0, 1]] * 40),  # a router of zeros: every token to experts 0 and 1
+           "some experts empty": torch.tensor([1, 3, 6])[torch.randint(0, 3, (50, 2), generator=g)],
+           "group of exactly block_m": torch.tensor([[0, 2]] * 16)}[name]
+    check_alignment_kernel(ids, 8, 16)
+
+
+def test_alignment_kernel_with_no_pairs():
+    """No pair (fused_moe returns before aligning; the kernels still give the contract's lists)."""
+    pairs, block_expert = align_by_expert_triton(torch.zeros(0, 2, dtype=torch.long, device=DEVICE), 8, 16)
+    assert pairs.tolist() == [0] * 128 and block_expert.tolist() == [-1] * 8
+
+
+@pytest.mark.gpu
+def test_alignment_kernel_replays_in_a_cuda_graph():
+    """Captured once, replayed on three routings of the same shape: each replay gives that routing's lists."""
+    ids = torch.zeros(64, 2, dtype=torch.long, device="cuda")
+    align_by_expert_triton(ids, 8, 16)  # compile before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pairs, block_expert = align_by_expert_triton(ids, 8, 16)
+    for seed in range(3):
+        routing = torch.randint(0, 8 if seed else 2, (64, 2), generator=torch.Generator().manual_seed(seed))
+        ids.copy_(routing)
+        graph.replay()
+        assert (pairs.tolist(), block_expert.tolist()) == aligned_by_hand(routing, 8, 16)
+
+
 # ----------------------------------------------------------------------------------- the kernels
 
 
@@ -134,6 +213,16 @@ def test_all_tokens_to_one_expert():
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exercise("grouped-gate-up")
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [(1, 64, 32, 8, 2), (40, 64, 96, 8, 2), (7, 48, 40, 60, 4)])
+def test_fused_kernels_with_the_alignment_kernel_equal_the_loop(tokens, hidden, inter, experts, k):
+    """fused_moe aligning by `align_by_expert_triton` (its default on CUDA; asked for here, so the
+    interpreter runs it on the CPU too): the loop's output."""
+    x, w13, w2, weights, ids = moe_inputs(tokens, hidden, inter, experts, k, seed=tokens)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, align_kernel=True),
+                               experts_loop(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_no_tokens():
     x, w13, w2, weights, ids = moe_inputs(0, 32, 16, 4, 2)
     assert fused_moe(x, w13, w2, weights, ids).shape == (0, 32) == experts_loop(x, w13, w2, weights, ids).shape
@@ -168,8 +257,7 @@ def test_fused_kernels_in_bfloat16_on_the_gpu(tokens):
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
-def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
-    """`scripts/bench_moe.py --tiny` (the GPU benchmark's smoke test): a table, exit code 0."""
+def load_bench():
     import importlib.util
     from pathlib import Path
 
@@ -177,6 +265,68 @@ def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
     spec = importlib.util.spec_from_file_location("bench_moe", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--tiny", "--tokens", "8"]) == 0
+    return bench
+
+
+def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
+    """`scripts/bench_moe.py --tiny` (the GPU benchmark's smoke test): a table, exit code 0."""
+    assert load_bench().main(["--tiny", "--tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "loop/fused" in out and "\n      8      16 " in out
+    assert "loop/fused" in out and "torch al." in out and "\n      8      16 " in out
+
+
+def test_the_benchmark_script_in_separate_processes(capsys, tmp_path):
+    """`--processes 2`: two children, each measuring once; the medians with their ranges, as JSON too."""
+    import json
+
+    assert load_bench().main(["--tiny", "--tokens", "8", "--processes", "2", "--json-out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "process 2/2: done" in out and "medians across 2 separate processes" in out
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert row["tokens"] == 8 and row["runs"] == 2
+    for figure in ("loop_ms", "fused_ms", "align_ms", "align_torch_ms", "dense_ms"):
+        assert row[figure + "_min"] <= row[figure] <= row[figure + "_max"]
+
+
+def test_the_benchmark_sweep_on_a_tiny_block(tmp_path):
+    """`--sweep --tiny`: every candidate tile timed (through the interpreter) and the best one named."""
+    import json
+
+    assert load_bench().main(["--tiny", "--sweep", "--tokens", "8", "--sweep-out", str(tmp_path / "s.json")]) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert len(result["rows"]) == 2 and all(r["rel_error"] < 1e-4 and r["fused_ms"] > 0 for r in result["rows"])
+    assert result["best"]["8"]["fused_ms"] == min(r["fused_ms"] for r in result["rows"])
+    assert result["gpu_tiles"].startswith("GPU_TILES") and 'float("inf")' in result["gpu_tiles"]
+
+
+def test_the_benchmark_takes_a_sweeps_tiles(tmp_path):
+    """`--tiles sweep.json` puts the sweep's table in GPU_TILES for the run (so that the figures after
+    a sweep need no edit of the code); the table is restored here afterwards."""
+    import json
+
+    from nanoserve.kernels.moe import GPU_TILES, moe_blocks_for
+
+    bench, saved = load_bench(), list(GPU_TILES)
+    tiles = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    (tmp_path / "s.json").write_text(json.dumps({"gpu_tiles_entries": [[None, tiles]]}))
+    try:
+        assert bench.main(["--tiny", "--tokens", "8", "--tiles", str(tmp_path / "s.json")]) == 0
+        assert moe_blocks_for(2, 8, interpreted=False) == tiles == moe_blocks_for(10**6, 8, interpreted=False)
+    finally:
+        GPU_TILES[:] = saved
+
+
+def test_the_sweeps_table_for_moe_blocks_for():
+    """The fastest tiles at 1 .. 4,096 tokens (top-2 of 8) become GPU_TILES: bounds at the geometric
+    mean of neighbouring counts' rows per expert, equal neighbours merged, the last bound infinite."""
+    from nanoserve.kernels import moe
+
+    bench = load_bench()
+    small, large = (16, 64, 64, 4, 3), (64, 128, 64, 8, 4)
+    best = {t: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), small if t < 256 else large))
+            for t in (1, 16, 64, 256, 1024, 4096)}
+    text = bench.tiles_text(bench.suggested_tiles(best, top_k=2, num_experts=8))
+    namespace = {}
+    exec(text, {}, namespace)
+    assert namespace["GPU_TILES"] == [(32.0, best[1]), (float("inf"), best[4096])]  # sqrt(64 * 256) * 2 / 8 = 32
+    assert [bound for bound, _ in moe.GPU_TILES][-1] == float("inf")
