@@ -196,14 +196,16 @@ def _down_kernel(Act, W, Out, Pairs, BlockExpert, Weights, num_pairs, hidden, in
 
 
 # The grouped kernels' tiles on a GPU, by the rows an expert gets on average (T * k / E): the first
-# entry whose bound is at least that. Chosen, not yet tuned: `python scripts/bench_moe.py --sweep`
-# times a list of tiles on a Mixtral-8x7B block (bf16, top-2 of 8) at 1 to 4,096 tokens and prints
-# this table with each token count's fastest tiles (bound: between two measured counts, their
-# geometric mean). Measured on: not yet (the values below are the first choice).
+# entry whose bound is at least that. `python scripts/bench_moe.py --sweep` times a list of tiles on a
+# Mixtral-8x7B block (bf16, top-2 of 8) at several token counts and prints this table with each
+# count's fastest tiles (bound: between two measured counts, their geometric mean). Measured on: two
+# H200s' first card, 2026-11-27, `--sweep --tokens 1 64 1024 4096` (docs/benchmarks.md, week 24):
+# 64 tokens 0.823 ms (16x128x64) against the first choice's 0.852; 1,024 tokens 1.681 ms (128x128x64,
+# 8 warps) against 2.393.
 GPU_TILES: list[tuple[float, dict[str, int]]] = [
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
-    (64, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
-    (float("inf"), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 ]
 
 
