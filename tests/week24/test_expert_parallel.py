@@ -297,7 +297,7 @@ def test_the_fixed_capacity_exchange_reads_no_value_and_its_sizes_follow_the_tok
     with monkeypatch.context() as patch:
         no_host_reads(patch)
         for ids in routings:
-            runs.append(on_thread_ranks(3, lambda group: ExpertParallel(group, 6, fixed_capacity=True)(
+            runs.append(on_thread_ranks(3, lambda group, ids=ids: ExpertParallel(group, 6, fixed_capacity=True)(
                 x, weights, ids, dense_experts(group, w13, w2))))
     for (outs, _), loop in zip(runs, expected):
         for out in outs:
@@ -309,7 +309,7 @@ def test_the_fixed_capacity_exchange_reads_no_value_and_its_sizes_follow_the_tok
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the graph path's buffers go through the Triton backend: on the CPU, TRITON_INTERPRET=1")
 @pytest.mark.parametrize("family,fused", [("qwen2_moe", False), pytest.param("mixtral", True, marks=pytest.mark.slow)])
-def test_two_ranks_with_the_graph_path_equal_one_and_hf(moe_checkpoints, moe_prompts, hf_greedy, family, fused):
+def test_gloo_ranks_on_the_graph_path_equal_one_and_hf(moe_checkpoints, moe_prompts, hf_greedy, family, fused):
     """cuda_graphs=True on the CPU: the graph path's static buffers and padding, no capture, and every
     MoE block on the fixed-capacity exchange; over two gloo ranks, HF's tokens (a lone sequence's
     decode steps too: one padded row, nothing real for rank 1 to send). Mixtral's experts run in the
@@ -339,7 +339,9 @@ def test_the_fixed_capacity_exchange_replays_in_a_cuda_graph():
     x = torch.randn(24, 16, device="cuda")
     weights, ids = route(torch.randn(24, 8, device="cuda"), 2, renormalize=True)
     parallel = ExpertParallel(Group(0, 1), 8, fixed_capacity=True)
-    step = lambda: parallel(x, weights, ids, lambda rows, w, i: fused_moe(rows, w13, w2, w, i))  # noqa: E731
+
+    def step():
+        return parallel(x, weights, ids, lambda rows, w, i: fused_moe(rows, w13, w2, w, i))
     step()  # compile before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
