@@ -175,9 +175,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError("--expert-parallel-size runs attention replicated on every rank: it is not combined with "
                              "--tensor-parallel-size or --pipeline-parallel-size yet (leave them at 1)")
-        if self.cuda_graphs:
-            raise ValueError("cuda_graphs=True with expert parallelism: its all-to-alls are sized on the host each step, "
-                             "so steps run eagerly (leave it unset)")
 
     def _check_lora(self) -> None:
         """Week 23: LoRA's defaults, and what it refuses."""

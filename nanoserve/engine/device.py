@@ -19,7 +19,7 @@ from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
 from nanoserve.model.gguf_quantized import use_gguf_blocks
 from nanoserve.model.loader import gguf_source, load_model
-from nanoserve.model.expert_parallel import shard_experts
+from nanoserve.model.expert_parallel import shard_experts, use_fixed_capacity
 from nanoserve.model.lora import enable_lora
 from nanoserve.model.moe import check_moe_supported, moe_blocks, reset_expert_load
 from nanoserve.model.quantized import quantize_model
@@ -81,6 +81,9 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         and attention_backend == "triton"
     fused = c.fused_kernels if c.fused_kernels is not None else week12
     use_graphs = use_graphs and moe_graphs_allowed(c, model, fused)  # week 24
+    # Week 24: steps that may be captured exchange fixed-capacity buffers (no size goes to the host); every
+    # step then does, the eager ones too, so the measured step below is the one that will run.
+    use_fixed_capacity(model, use_graphs)
     runner_args = dict(attention_backend=attention_backend, cuda_graphs=use_graphs,
                        max_model_len=max_model_len, max_batch=c.max_num_seqs,
                        verify_tokens=c.num_speculative_tokens if c.speculative else 0,
@@ -106,16 +109,16 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
 
 
 def moe_graphs_allowed(c: EngineConfig, model: Llama, fused: bool) -> bool:
-    """Week 24: whether a mixture of experts may run in CUDA graphs: not under expert parallelism (its
-    all-to-alls are sized on the host), nor with the per-expert loop on a GPU (it finds each expert's
-    rows on the host); the grouped kernels read nothing there."""
+    """Week 24: whether a mixture of experts may run in CUDA graphs: not with the per-expert loop on a
+    GPU (it finds each expert's rows on the host); the grouped kernels read nothing there, nor does
+    expert parallelism's fixed-capacity exchange (`use_fixed_capacity`)."""
     if not moe_blocks(model):
         return True
     loop_on_gpu = c.device.startswith("cuda") and not fused
     if loop_on_gpu and c.cuda_graphs:
         raise ValueError("cuda_graphs=True with --no-fused-kernels on a mixture of experts: the per-expert loop "
                          "cannot be captured in a CUDA graph (keep the fused kernels, or leave cuda_graphs unset)")
-    return c.expert_parallel_size == 1 and not loop_on_gpu
+    return not loop_on_gpu
 
 
 def cpu_tier_blocks(c: EngineConfig, model: Llama, dtype: torch.dtype, group=None) -> int:

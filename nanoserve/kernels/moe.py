@@ -19,7 +19,10 @@ products where one large one would do, and 8 host round trips. Here:
 4. The weighted rows of each token are summed, slot by slot (as the reference's `combine`).
 
 Blocks past the last expert's padded list have no expert (-1) and return at once; a padded entry
-(the sentinel) loads zeros and stores nothing.
+(the sentinel) loads zeros and stores nothing. An expert id equal to the number of experts names
+none (the padding rows of expert parallelism's fixed-capacity dispatch, `exchange_fixed`): the
+alignment gives those pairs a group after the experts', whose blocks get -1 too, so they cost no
+product, and their output rows are left unwritten (whoever sent them never reads them).
 
 On a GPU, step 1 is `align_by_expert_triton`: the same lists in two small kernels (`_count_kernel`,
 `_place_kernel`) instead of a dozen PyTorch operations; `align_by_expert` stays the CPU path and the
@@ -223,7 +226,8 @@ def moe_blocks_for(num_pairs: int, num_experts: int, interpreted: bool) -> dict[
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               blocks: dict[str, int] | None = None, align_kernel: bool | None = None) -> torch.Tensor:
-    """`nanoserve.model.moe.experts_loop` in two grouped kernels: x [T, H] -> [T, H] in x's dtype.
+    """`nanoserve.model.moe.experts_loop` in two grouped kernels: x [T, H] -> [T, H] in x's dtype. A pair
+    whose id is num_experts runs no expert, and the rows of tokens with such a pair are not to be read.
 
     align_kernel: align by `align_by_expert_triton` (True) or `align_by_expert` (False); by default
     the first on CUDA, the second elsewhere."""
@@ -237,14 +241,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     bm, bn, bk, warps = blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"], blocks["num_warps"]
     stages = blocks.get("num_stages", 3)  # 3: Triton's own default on NVIDIA GPUs
     align = align_by_expert_triton if (x.is_cuda if align_kernel is None else align_kernel) else align_by_expert
-    pairs, block_expert = align(ids, num_experts, bm)
+    # One group more than the experts: ids == num_experts (padding rows, no expert) land there, and run nothing.
+    pairs, block_expert = align(ids, num_experts + 1, bm)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
     act = x.new_empty(pairs.numel(), inter)  # by sorted row; padded rows stay unwritten and unread
     ieee = x.dtype == torch.float32
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, bn))](
         x, w13, act, pairs, block_expert, num_pairs, top_k, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps, num_stages=stages)
-    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # every row written once
+    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # each real pair's row written once
     _down_kernel[(block_expert.numel(), triton.cdiv(hidden, bn))](
         act, w2, pair_out, pairs, block_expert, weights.float().contiguous(), num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),

@@ -19,8 +19,13 @@ Each rank then takes its own share of the tokens (a 1/N slice of the step) and, 
 An expert's work is done once, on its own rank, for the tokens of every rank. The last all-gather
 exists because attention is replicated here; with attention split by data (each rank its own
 requests, as large deployments do) a rank's slice would simply be its own batch, and it would go.
-The counts go to the host to size the all-to-alls: a step under expert parallelism cannot be a
-CUDA graph (the engine runs it eagerly).
+`exchange` (the lesson's first version) sends exactly the pairs: their counts go to the host to
+size the all-to-alls, a wait for the GPU in every layer, and a CUDA graph cannot hold that (a graph
+replays fixed sizes; reading a value mid-capture is an error). `exchange_fixed` sends every rank a
+buffer of a fixed capacity instead, the worst case of rows my slice can send one rank, real pairs
+first, then padding rows marked with an expert id that names none of the receiver's experts (the
+experts skip them). Its sizes follow from the step's token count alone: no value goes to the host,
+and the engine captures expert-parallel steps in CUDA graphs with it (`use_fixed_capacity`).
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from nanoserve.model.tensor_parallel import Group
 class ExpertParallel:
     """How one MoE block reaches experts on other ranks (its `parallel`). `num_experts`: the model's."""
 
-    def __init__(self, group: Group, num_experts: int):
+    def __init__(self, group: Group, num_experts: int, fixed_capacity: bool = False):
         self.group, self.num_experts = group, num_experts
         self.num_local = num_experts // group.size
+        self.fixed_capacity = fixed_capacity  # exchange_fixed (a CUDA graph can hold it) instead of exchange
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, run_experts) -> torch.Tensor:
         """The whole step's x [T, H] (every rank the same), its routing [T, k] -> the block's output
@@ -46,7 +52,11 @@ class ExpertParallel:
         share = -(-T // n)  # rows per rank (the last ranks may have fewer, or none)
         first = min(self.group.rank * share, T)
         last = min(first + share, T)
-        mine = self.exchange(x[first:last], weights[first:last], ids[first:last], run_experts)
+        if self.fixed_capacity:  # the most pairs of a slice one rank can get: a token picks k distinct experts
+            capacity = share * min(ids.shape[1], self.num_local)
+            mine = self.exchange_fixed(x[first:last], weights[first:last], ids[first:last], run_experts, capacity)
+        else:
+            mine = self.exchange(x[first:last], weights[first:last], ids[first:last], run_experts)
         padded = mine.new_zeros(share, x.shape[1])
         padded[: last - first] = mine
         return self.group.all_gather(padded, dim=0)[:T]
@@ -71,6 +81,28 @@ class ExpertParallel:
         return combine(pair_out, weights).to(x.dtype)
         # <<< week24: ep-dispatch
 
+    def exchange_fixed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, run_experts,
+                       capacity: int) -> torch.Tensor:
+        """`exchange` with sizes that depend only on the step's token count, never on the routing: I send
+        every rank `capacity` rows (at least the most pairs of my slice its experts can get), my pairs for
+        it first, then padding rows whose expert id is `num_local`: one past the receiver's experts, which
+        skip it. The same sizes back. Nothing goes to the host, so a CUDA graph can hold it. -> [t, H]"""
+        k, n, local = ids.shape[1], self.group.size, self.num_local
+        flat = ids.flatten()  # [t * k]
+        dest = flat // local  # [t * k]: the rank that holds each pair's expert
+        to_rank = (dest[:, None] == torch.arange(n, device=x.device)).long()  # [t * k, n]
+        before = to_rank.cumsum(0).gather(1, dest[:, None])[:, 0] - 1  # my pairs for that rank before this one
+        row = dest * capacity + before  # [t * k]: each pair's row in the buffer I send, rank by rank
+        send_ids = torch.full((n * capacity,), local, dtype=flat.dtype, device=x.device)  # padding: no expert
+        send_ids.index_copy_(0, row, flat - dest * local)  # the expert among the receiver's own
+        pair_x = x[:, None].expand(-1, k, -1).reshape(-1, x.shape[1])  # [t * k, H]: each pair's token
+        send = x.new_zeros(n * capacity, x.shape[1]).index_copy_(0, row, pair_x)
+        local_ids = self.group.all_to_all(send_ids)[:, None]  # [n * capacity, 1]: rank 0's rows for me, then 1's...
+        rows = self.group.all_to_all(send)  # [n * capacity, H]
+        out = run_experts(rows, torch.ones(local_ids.shape, device=x.device), local_ids)  # padding rows: not read
+        back = self.group.all_to_all(out)  # [n * capacity, H]: row j holds the result of the row j I sent
+        return combine(back.index_select(0, row), weights).to(x.dtype)
+
 
 def check_expert_parallel(config, size: int) -> None:
     """Refuse, with the reason, a model whose experts `size` ranks cannot share evenly."""
@@ -84,6 +116,14 @@ def check_expert_parallel(config, size: int) -> None:
     if config.num_experts % size:
         raise ValueError(f"expert parallelism over {size} ranks needs the {config.num_experts} experts of each "
                          f"layer to split evenly: use a divisor of {config.num_experts}")
+
+
+def use_fixed_capacity(model, on: bool = True) -> None:
+    """Give every expert-parallel MoE block of the model `exchange_fixed` (or, with on=False, `exchange`
+    back): the engine does so when it captures steps in CUDA graphs."""
+    for block in moe_blocks(model):
+        if block.parallel is not None:
+            block.parallel.fixed_capacity = on
 
 
 @torch.no_grad()

@@ -35,7 +35,9 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers import DecoderLayer
 from nanoserve.model.llama import Llama
 
-# A function that runs the experts: (x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
+# A function that runs the experts: (x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H].
+# An id equal to E names no expert (a padding row of expert parallelism's fixed-capacity dispatch): it runs
+# nothing, and the output row of its token is not read.
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -228,6 +228,27 @@ def test_no_tokens():
     assert fused_moe(x, w13, w2, weights, ids).shape == (0, 32) == experts_loop(x, w13, w2, weights, ids).shape
 
 
+@pytest.mark.parametrize("align_kernel", [False, True])
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_id_past_the_last_expert_runs_nothing(align_kernel, k):
+    """Expert parallelism's fixed-capacity dispatch pads its rows with the id E (no expert): the
+    alignment puts those pairs in a group of their own whose blocks run nothing (-1), and the rows
+    whose pairs all name an expert are the loop's. Half of 24 tokens are padding, some grouped at
+    the end, some between real rows."""
+    x, w13, w2, weights, ids = moe_inputs(24, 48, 40, 8, k, seed=k)
+    padding = torch.zeros(24, dtype=torch.bool, device=x.device)
+    padding[::3], padding[-6:] = True, True
+    ids = torch.where(padding[:, None], 8, ids)  # every slot of a padding token: no expert
+    real = ~padding
+    out = fused_moe(x, w13, w2, weights, ids, align_kernel=align_kernel)
+    assert out.shape == x.shape
+    loop = experts_loop(x, w13, w2, weights, ids)  # the loop's experts are 0..7: id 8 matches none
+    assert loop[padding].abs().max() == 0
+    torch.testing.assert_close(out[real], loop[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[real], experts_loop(x[real], w13, w2, weights[real], ids[real]),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_engine_with_the_kernels_equals_hf(moe_checkpoints, moe_prompts, hf_greedy):
     """Mixtral through the Triton backend with the fused kernels swapped in (the expert kernels
     among them), chunked steps mixing prompts and decodes: HF's tokens."""
