@@ -198,7 +198,7 @@ class Sampler:
     structured output, whose mask it applies before drawing (the sequence's stop check feeds
     the constraint the tokens drawn: `Engine.add_request`)."""
 
-    def __init__(self, device: torch.device | str, one_pass_argmax: bool = True):
+    def __init__(self, device: torch.device | str, one_pass_argmax: bool = False):
         self.device = device
         self.one_pass_argmax = one_pass_argmax  # issue 39: off with --no-fused-kernels (two kernels then)
         self.generators: dict[int, torch.Generator] = {}

@@ -23,6 +23,7 @@ def test_same_index_as_torch(rows, vocab, block, one_pass):
     assert torch.equal(argmax(logits, block, one_pass=one_pass), logits.argmax(dim=-1))
 
 
+@pytest.mark.exercise("argmax-one-launch")
 @FORMS
 def test_ties_and_infinities(one_pass):
     logits = torch.zeros(7, 1000)
@@ -40,6 +41,7 @@ def test_ties_and_infinities(one_pass):
     assert argmax(logits, 256, one_pass=one_pass).tolist() == logits.argmax(dim=-1).tolist() == expected
 
 
+@pytest.mark.exercise("argmax-one-launch")
 def test_one_pass_leaves_its_counters_ready():
     """The last program of each row resets the row's key and counter: calls in a row (as graph
     replays would) with rows of other maxima each get their own answer, never an earlier one's."""
