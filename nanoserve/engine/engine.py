@@ -114,7 +114,7 @@ class Engine(EngineReports):
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.sampler = Sampler(self.runner.device)
+        self.sampler = Sampler(self.runner.device, one_pass_argmax=self.runner.fused)  # issue 39
         self.output_processor = OutputProcessor(self.tokenizer, self.sampler, self.runner)
         self._grammar_tokenizer = None  # structured output (week 10): built on first use
         self.sequences: dict[int, Sequence] = {}

@@ -40,6 +40,11 @@ a token's scale is the same for its whole row, so it can be applied once per col
     scores[i, j] = (q_i · codes_j) · k_scale_j      out_i = Σ_j (p_ij · v_scale_j) · vcodes_j
 which is BLOCK_N multiplies instead of BLOCK_N × HEAD_DIM, and keeps the widened codes exact for
 the tensor cores. The online softmax's running sum uses p before the V scale.
+
+Issue 39, the merge in the same launch: a split decode step (`merge_in_kernel=True`, week 12's fused
+path) launches no merge kernel. Each program, its partials stored, bumps a counter of its (sequence,
+KV head); the last of the splits to do so merges them for its GROUP query heads with the same
+`_merge_splits` as the merge kernel, and puts the counter back to 0 (nanoserve/kernels/fusion.py).
 """
 
 from __future__ import annotations
@@ -52,10 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.fusion import fusion_on, persistent_buffer
+
 # Triton compiles a kernel again for every new constexpr value and for some properties of integer
 # arguments (equal to 1, divisible by 16), in most of a second: a variant first met mid-serving stalls
 # every stream. So arguments that change per step are not specialized on; the merge takes MAX_SPLITS.
 MAX_SPLITS = 64
+MERGE_PAD = tl.constexpr(MAX_SPLITS)  # issue 39: the one-launch merge's SPLITS_PAD
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
@@ -79,6 +87,8 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tensor cores otherwise
     SLIDING: tl.constexpr,  # week 19: a sliding-window layer (reads `window`)
     FP8_KV: tl.constexpr = False,  # issue 33: K and V are e4m3 codes with a scale per token and head
+    Counters=None,  # issue 39: with MERGE_LAST, [num_seqs * num_kv_heads] int32, all 0 (and left so)
+    MERGE_LAST: tl.constexpr = False,  # issue 39, DECODE and SPLIT: the last split to finish merges
 ):
     # >>> week06: paged-attention-kernel
     tile = tl.program_id(0)
@@ -176,27 +186,54 @@ def _paged_attention_kernel(
         tl.store(PartialL + part, l, mask=row_ok)
         tl.store(PartialAcc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
     # <<< week06: paged-attention-kernel
+    if MERGE_LAST:  # issue 39: no merge kernel after this one
+        _merge_if_last(PartialAcc, PartialM, PartialL, Out, Counters, QueryStartLoc, tl.program_id(0),
+                       tl.program_id(1), tl.num_programs(1), stride_o_tok, stride_o_head, num_splits, GROUP, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
-                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+@triton.jit
+def _merge_splits(PartialAcc, PartialM, PartialL, Out, tok, head, num_heads, stride_o_tok, stride_o_head, num_splits,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Combine the splits of one (token, query head): rescale each to the common max."""
     # >>> week06: merge-splits
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    row = (tok * tl.num_programs(1) + head) * num_splits
+    row = (tok * num_heads + head) * num_splits
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     in_range = s < num_splits
     m = tl.load(PartialM + row + s, mask=in_range, other=float("-inf"))  # [SPLITS_PAD]
     l = tl.load(PartialL + row + s, mask=in_range, other=0.0)
-    acc = tl.load(PartialAcc + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None], other=0.0)
+    has_work = in_range & (l > 0)  # an empty split's acc is 0: not worth reading
+    acc = tl.load(PartialAcc + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=has_work[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # empty splits (past the context) weigh 0
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # [HEAD_DIM]
     tl.store(Out + tok * stride_o_tok + head * stride_o_head + d, out.to(Out.dtype.element_ty))
     # <<< week06: merge-splits
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(PartialAcc, PartialM, PartialL, Out, stride_o_tok, stride_o_head, num_splits,
+                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One program per (token, query head), over all tokens and heads.
+    _merge_splits(PartialAcc, PartialM, PartialL, Out, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                  stride_o_tok, stride_o_head, num_splits, SPLITS_PAD, HEAD_DIM)
+
+
+@triton.jit
+def _merge_if_last(PartialAcc, PartialM, PartialL, Out, Counters, QueryStartLoc, seq, kv_head, num_kv_heads,
+                   stride_o_tok, stride_o_head, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Issue 39, a decode step: count this split of (sequence, KV head) in; the last of the
+    `num_splits` to arrive merges them all for the GROUP query heads, as `_merge_splits_kernel`
+    would in a launch of its own, and sets the counter back to 0 for the next launch."""
+    tl.debug_barrier()  # every thread's partials are stored before the count says so
+    counter = Counters + seq * num_kv_heads + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # acquire: the others' partials, seen
+    if arrived == num_splits - 1:
+        tl.store(counter, 0)  # nobody else touches it in this launch
+        tok = tl.load(QueryStartLoc + seq)  # the sequence's one new token: its row in the partials
+        for g in tl.static_range(GROUP):
+            _merge_splits(PartialAcc, PartialM, PartialL, Out, tok, kv_head * GROUP + g, GROUP * num_kv_heads,
+                          stride_o_tok, stride_o_head, num_splits, MERGE_PAD, HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,6 +281,7 @@ def paged_attention(
     scale: float | None = None,  # week 19: the softmax scale; None: head_dim ** -0.5
     k_scale: torch.Tensor | None = None,  # issue 33: with e4m3 pools, [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None = None,  # float16 each (nanoserve/attention/fp8_cache.py)
+    merge_in_kernel: bool = False,  # issue 39: a split decode step merges in its own launch (fusion.py's "merge")
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V -> [T, num_heads, head_dim]."""
     if window is not None and window < 1:
@@ -265,7 +303,10 @@ def paged_attention(
                                        q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
-    partial_acc = partial_m = partial_l = out  # unused without splits
+    partial_acc = partial_m = partial_l = counters = out  # unused without splits
+    merge_last = merge_in_kernel and decode and num_splits > 1 and fusion_on("merge")
+    if merge_last:
+        counters = persistent_buffer("split counters", q.device, num_seqs * num_kv_heads, torch.int32, 0)
     if num_splits > 1:
         partial_acc = torch.empty(num_tokens * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
         partial_m, partial_l = torch.empty(2, num_tokens * num_heads * num_splits, device=q.device, dtype=torch.float32)
@@ -280,9 +321,9 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DECODE=decode, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SLIDING=window is not None, FP8_KV=fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        Counters=counters, MERGE_LAST=merge_last, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_last:
         _merge_splits_kernel[(num_tokens, num_heads)](
             partial_acc, partial_m, partial_l, out, out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim)
@@ -291,11 +332,13 @@ def paged_attention(
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context: int,
             windows: Sequence[int | None] = (None,), dtype: torch.dtype | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            merge_in_kernel: bool = False) -> None:
     """Compile the kernel's variants before the first request needs them: decode and new tokens
     over a past (a prompt, a chunk), each with and without context splits; for each of the model's
     layer `windows` (None: full attention; any int compiles the one sliding variant). `dtype`: the
-    queries' (default: the pool's); issue 33: an FP8 pool's scales."""
+    queries' (default: the pool's); issue 33: an FP8 pool's scales; issue 39: with `merge_in_kernel`,
+    the split decode's one-launch variant too."""
     device, block_size = k_cache.device, k_cache.shape[1]
     sliding = sorted({w for w in windows if w is not None})
     variants = ([None] if None in windows else []) + sliding[:1]  # one sliding variant serves every window
@@ -309,3 +352,6 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_co
             for window in variants:
                 paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits,
                                 window=window, k_scale=k_scale, v_scale=v_scale)
+                if merge_in_kernel and new == 1 and splits > 1:
+                    paged_attention(q, k_cache, v_cache, blocks, starts, lens, new, context, num_splits=splits,
+                                    window=window, k_scale=k_scale, v_scale=v_scale, merge_in_kernel=True)

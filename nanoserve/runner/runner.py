@@ -68,7 +68,7 @@ class ModelRunner:
                 c = self.cache
                 warm_up(c.k[0], c.v[0], cfg.num_heads, max_model_len, windows=sorted(windows, key=str), dtype=c.dtype,
                         k_scale=None if c.k_scale is None else c.k_scale[0],
-                        v_scale=None if c.v_scale is None else c.v_scale[0])
+                        v_scale=None if c.v_scale is None else c.v_scale[0], merge_in_kernel=self.fused)
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
             from nanoserve.runner.cuda_graphs import CUDAGraphDecoder

@@ -198,8 +198,9 @@ class Sampler:
     structured output, whose mask it applies before drawing (the sequence's stop check feeds
     the constraint the tokens drawn: `Engine.add_request`)."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, one_pass_argmax: bool = False):
         self.device = device
+        self.one_pass_argmax = one_pass_argmax  # issue 39: off with --no-fused-kernels (two kernels then)
         self.generators: dict[int, torch.Generator] = {}
         self.prompt_lens: dict[int, int] = {}  # sequences with presence/frequency penalties
         self.logprobs: dict[int, list[TokenLogprob]] = {}
@@ -243,10 +244,10 @@ class Sampler:
         if constrained:  # structured output: only what the grammar allows next
             packed = token_bitmasks([self.constraints[seq_ids[j]] for j in constrained], logits.shape[1])
             masked = apply_token_bitmasks(logits, constrained, packed)
-        if logits.is_cuda and all(p.greedy for p in params):  # async scheduling: the argmax in two small kernels
+        if logits.is_cuda and all(p.greedy for p in params):  # async scheduling: the argmax in Triton
             from nanoserve.kernels.argmax import argmax
 
-            tokens = argmax(filtered_logits(masked, params, seen, generated))
+            tokens = argmax(filtered_logits(masked, params, seen, generated), one_pass=self.one_pass_argmax)
         else:
             tokens = sample(masked, params, [self.generators.get(i) for i in seq_ids], seen, generated)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]

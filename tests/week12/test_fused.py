@@ -123,3 +123,27 @@ def test_forward_with_fused_kernels_matches_the_model(tmp_path, past, new):
     others = [s for s in range(16 * block) if s not in slots]  # only the new slots were written
     for new_pool, ref in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
         assert torch.equal(new_pool.flatten(1, 2)[:, others], ref.flatten(1, 2)[:, others])
+
+
+def test_engine_decode_with_the_merge_in_the_attention_launch(tmp_path):
+    """Issue 39 in the engine: decode steps through the CUDA-graph path's static buffers (nothing
+    captured on the CPU), whose attention is sized for the longest context and so split; with the
+    fused kernels the splits merge in the attention's own launch. Greedy tokens equal those of
+    `--no-fused-kernels` (float32), and the split counters are all back to 0."""
+    from nanoserve.engine.engine import LLM
+    from nanoserve.kernels.fusion import persistent_buffer
+    from nanoserve.kernels.paged_attention import choose_num_splits
+    from nanoserve.sampling.params import SamplingParams
+
+    path, _ = make_checkpoint(tmp_path / "ckpt", tiny_config(num_hidden_layers=2))
+    assert choose_num_splits(1, 2, 1024, torch.device(DEVICE)) > 1 or DEVICE == "cuda"  # the decode step splits
+    prompt = torch.randint(0, 4096, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for fused in (False, True):
+        llm = LLM(str(path), dtype=torch.float32, device=DEVICE, attention_backend="triton", block_size=16,
+                  num_blocks=32, fused_kernels=fused, cuda_graphs=True, max_num_seqs=2)
+        assert llm.engine.runner.fused == fused and llm.engine.sampler.one_pass_argmax == fused
+        outs[fused] = llm.generate([prompt], params)[0].token_ids
+    assert len(outs[True]) == 6 and outs[True] == outs[False]
+    assert not persistent_buffer("split counters", torch.device(DEVICE), 1, torch.int32, 0).any()

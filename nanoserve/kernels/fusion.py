@@ -1,0 +1,75 @@
+"""Issue 39: what the one-launch fusions share, their switches and the counters they keep.
+
+Two of week 12's later fusions finish a reduction in the same launch that computed its parts: the
+argmax's slices (`argmax.py`) and the attention's context splits (`paged_attention.py`). Each
+program stores its part, then bumps a counter in global memory; the program that finds the counter
+one short of the number of parts is the last one, so every other part is already stored, and it
+does the finishing work (pick the slice, merge the splits) that a second kernel used to do. It also
+sets the counter back to its start value, so the next launch, or the next replay of a CUDA graph
+that captured this one, finds it ready.
+
+The counters live in device buffers kept for the life of the process: a CUDA graph records their
+address, so they are never freed, even when a larger batch needs a larger buffer.
+
+To measure each fusion alone (A/B on one GPU), switch it off with an environment variable read when
+the first step runs, or by `switch_fusions` in the same process:
+
+    NANOSERVE_FUSE_OFF=argmax          the argmax takes its two kernels again (slices, then pick)
+    NANOSERVE_FUSE_OFF=merge           the split attention launches its merge kernel again
+    NANOSERVE_FUSE_OFF=argmax,merge    both; `all` switches every one off
+
+`--no-fused-kernels` switches them all off too (with week 12's other fused kernels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FUSIONS = ("argmax", "merge")
+ENV_VAR = "NANOSERVE_FUSE_OFF"
+_off: set[str] | None = None  # None: not read from the environment yet
+
+
+def _parse(value: str) -> set[str]:
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    if "all" in names:
+        return set(FUSIONS)
+    unknown = names - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"{ENV_VAR}: unknown fusion(s) {sorted(unknown)}; known: {', '.join(FUSIONS)} or all")
+    return names
+
+
+def fusion_on(name: str) -> bool:
+    """Is the one-launch fusion `name` (one of FUSIONS) on? On unless NANOSERVE_FUSE_OFF names it."""
+    global _off
+    if _off is None:
+        _off = _parse(os.environ.get(ENV_VAR, ""))
+    return name not in _off
+
+
+def switch_fusions(off: str | None) -> None:
+    """Switch fusions off for this process, as NANOSERVE_FUSE_OFF would ("argmax,merge", "all"; ""
+    switches all on again); None reads the environment again. Takes effect at the next launch, so a
+    CUDA graph captured before keeps what it captured: capture again to compare graphs."""
+    global _off
+    _off = None if off is None else _parse(off)
+
+
+_buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown buffers: a captured graph may still use them
+
+
+def persistent_buffer(name: str, device: torch.device, size: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
+    """A buffer of at least `size` entries of `dtype` on `device`, filled with `fill` when made, and
+    the same one every call (per name) until a larger one is needed. The kernels that use it leave
+    every entry at `fill` when they finish."""
+    key = (name, torch.device(device), dtype)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < size:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _buffers[key] = torch.full((max(size, 1024),), fill, dtype=dtype, device=device)
+    return buf
