@@ -17,6 +17,12 @@ A decode step has few rows. Up to `GEMV_ROWS` rows, each program takes one activ
 BLOCK_N rows of W and sums products (a matrix-vector product, no padding); above, tiles of rows
 and the tile product (`tl.dot`). Tested on the CPU through Triton's interpreter
 against `dequantize` followed by a matrix product.
+
+`Fp8Linear` (`--quantization fp8`) multiplies with `torch._scaled_mm` on FP8 tensor cores, which
+needs the activations cut to e4m3 too: three small kernels a call, and a product built for many
+rows. Measured at batch 1 on an H100 it ran at 0.57x bf16 (docs/benchmarks.md, week 22). Up to
+`GEMV_ROWS` rows it goes through `fp8_gemv` instead: the same matrix-vector shape as the integer
+one, the e4m3 bytes widened in registers.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.model.quantized import QuantizedLinear
+from nanoserve.model.quantized import Fp8Linear, QuantizedLinear
 
 
 @triton.jit
@@ -151,9 +157,47 @@ def quant_matmul(x: torch.Tensor, layer: QuantizedLinear, config: tuple | None =
     return y.reshape(*shape[:-1], n)
 
 
+@triton.jit
+def _fp8_gemv_kernel(X, W, S, Y, N, K, stride_x, stride_w, stride_y, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row against BLOCK_N rows of e4m3 W: the codes widened in registers, summed in
+    float32 against the row as it is, each output multiplied by its row's scale once at the end."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        code = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=in_cols[:, None] & (ks[None, :] < K), other=0)
+        w = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # the stored bytes, read as e4m3
+        acc += tl.sum(w * x[None, :], axis=1)
+    scale = tl.load(S + cols, mask=in_cols, other=0.0)
+    tl.store(Y + row * stride_y + cols, (acc * scale).to(Y.dtype.element_ty), mask=in_cols)
+
+
+def fp8_gemv(x: torch.Tensor, layer: Fp8Linear, config: tuple | None = None) -> torch.Tensor:
+    """x [..., K] · (W8 · s)ᵀ -> [..., N] in x's dtype (no bias): up to `GEMV_ROWS` rows, the weights'
+    bytes read once and widened in registers, the activations kept in their dtype (weight-only, as
+    the integer layers); more rows go to the layer's `_scaled_mm` product."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    m, k = x2.shape
+    if m > GEMV_ROWS:
+        return layer.scaled_product(x)  # a batch: FP8 tensor cores, the activations cut per token
+    n = layer.out_features
+    y = x2.new_empty(m, n)
+    codes = layer.weight_fp8.view(torch.uint8)  # Triton reads the bytes and widens them as e4m3
+    bn, bk, warps = config or GEMV_BLOCKS
+    _fp8_gemv_kernel[(m, triton.cdiv(n, bn))](x2, codes, layer.scales, y, n, k, x2.stride(0), codes.stride(0),
+                                             y.stride(0), BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(k)),
+                                             num_warps=warps)
+    return y.reshape(*shape[:-1], n)
+
+
 def use_quantized_kernels(model: torch.nn.Module, on: bool = True) -> int:
-    """Hand the kernel to (or take it from) every `QuantizedLinear` of the model; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    """Hand the kernels to (or take them from) every `QuantizedLinear` and `Fp8Linear` of the model;
+    returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear))]
     for layer in layers:
-        layer.kernel = quant_matmul if on else None
+        layer.kernel = (fp8_gemv if isinstance(layer, Fp8Linear) else quant_matmul) if on else None
     return len(layers)

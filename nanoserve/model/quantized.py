@@ -153,6 +153,10 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_fp8", weight_fp8)
         self.register_buffer("scales", scales)  # float32 [out, 1]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # On a GPU: nanoserve.kernels.quant_matmul.fp8_gemv, which for the few rows of a decode step
+        # widens the e4m3 weights in registers against activations kept in their dtype (weight-only,
+        # as the integer layers) and hands larger batches to `scaled_product`; None: `scaled_product`.
+        self.kernel = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str = "a layer") -> Fp8Linear:
@@ -164,12 +168,16 @@ class Fp8Linear(nn.Module):
         return cls(weight, scales, None if linear.bias is None else linear.bias.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.scaled_product(x) if self.kernel is None else self.kernel(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def scaled_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x · Wᵀ on FP8 tensor cores, the activations cut to e4m3 per row (no bias)."""
         shape = x.shape
         rows, x_scales = fp8_rows(x.reshape(-1, shape[-1]))
         y = torch._scaled_mm(rows, self.weight_fp8.t(), scale_a=x_scales, scale_b=self.scales.t(),
                              out_dtype=torch.bfloat16)
-        y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
         """What a product reads for the weight: the e4m3 bytes and their float32 scales."""

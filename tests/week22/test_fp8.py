@@ -75,3 +75,64 @@ def test_fp8_on_a_gpu_wants_bfloat16():
     else:
         with pytest.raises(ValueError, match="--dtype bfloat16"):
             EngineConfig(model="tiny", device="cuda", quantization="fp8", dtype=torch.float32)
+
+
+def fp8_layer(n: int, k: int, bias: bool = False, seed: int = 0) -> Fp8Linear:
+    g = torch.Generator().manual_seed(seed)
+    weight, scales = fp8_rows(torch.randn(n, k, generator=g))
+    return Fp8Linear(weight, scales, torch.randn(n, generator=g) if bias else None)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_a_decode_steps_rows_go_through_the_gemv_weight_only(rows):
+    """Up to four rows (a decode step of a small batch) `fp8_gemv` widens the e4m3 bytes in
+    registers and multiplies them by activations left as they are: x · (W8 · s)ᵀ, float32 to
+    float32's rounding (ragged sizes: 42 outputs, 100 inputs)."""
+    from nanoserve.kernels.quant_matmul import fp8_gemv
+
+    layer = fp8_layer(42, 100)
+    x = torch.randn(rows, 100, generator=torch.Generator().manual_seed(rows))
+    expected = x @ (layer.weight_fp8.float() * layer.scales).t()
+    torch.testing.assert_close(fp8_gemv(x, layer), expected, rtol=1e-5, atol=1e-5)
+    # bfloat16 activations: the same sums, rounded once at the end
+    got = fp8_gemv(x.bfloat16(), layer)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), x.bfloat16().float() @ (layer.weight_fp8.float() * layer.scales).t(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_larger_batches_and_the_bias_through_the_layers_kernel():
+    """`use_quantized_kernels` hands `fp8_gemv` to every `Fp8Linear`: five rows and more go to
+    `_scaled_mm` (the activations cut per token) exactly as without it, and the bias is added once
+    on either path."""
+    from nanoserve.kernels.quant_matmul import fp8_gemv, use_quantized_kernels
+
+    layer = fp8_layer(48, 64, bias=True, seed=3)
+    model = nn.Sequential(layer)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)  # 6 rows
+    plain = layer(x)
+    assert use_quantized_kernels(model) == 1 and layer.kernel is fp8_gemv
+    assert torch.equal(layer(x), plain)
+    one = x[:1, :1]
+    torch.testing.assert_close(layer(one).float(), (fp8_gemv(one, layer) + layer.bias.bfloat16()).float())
+    use_quantized_kernels(model, on=False)
+    assert layer.kernel is None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fp8_gemv_runs_compiled_in_a_cuda_graph():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 (compute capability 8.9 or more): run on an H100")
+    from nanoserve.kernels.quant_matmul import fp8_gemv
+
+    layer = fp8_layer(3072, 2048, seed=5).cuda()
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    out = fp8_gemv(x, layer)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, layer)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)).bfloat16())
+        graph.replay()
+        expected = x.float() @ (layer.weight_fp8.float() * layer.scales).t()
+        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
