@@ -95,7 +95,8 @@ def test_merge_in_the_attention_launch(num_splits):
     KV head to finish), with the same result; the counters it uses are all back to 0 after, so
     the next call (another layer, step or graph replay) finds them ready. 64 splits over short
     contexts, as the batch-1 CUDA graph has them: most splits are empty."""
-    for seed, lens in enumerate([(2048, 5, 1500, 16), (1, 300, 64), (97,)]):
+    batches = [(2048, 5, 1500, 16), (1, 300, 64), (97,)]
+    for seed, lens in enumerate(batches[1:] if num_splits == 64 else batches):  # (the interpreter: keep 64 short)
         check(decode(*lens), block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, num_splits=num_splits,
               merge_in_kernel=True, seed=seed)
         assert not split_counters().any()
