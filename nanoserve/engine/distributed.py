@@ -141,8 +141,11 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
         side = build_device_side(dataclasses.replace(config, device=device), group)
         runner = side.runner
         while (message := channel.recv()) is not None:
-            step, prompt_rows, num_last = message
-            runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
+            step, prompt_rows, num_last, lands = message
+            if lands is None:  # one step at a time
+                runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
+            else:  # week 20: steps in flight through a pipeline, in the driver's order
+                runner.follow(step, prompt_rows, lands)
             runner.prompt_logprobs.clear()  # only the driver reports them
     finally:
         if side is not None:
@@ -266,21 +269,31 @@ class Workers:
                     reason = f"failed: {type(e).__name__}: {e}"
                 raise WorkerFailed(f"{rank_name(rank, self.tp, self.pp)} (a Ray actor) {reason}; restart the server")
 
-    def run_step(self, run, step, prompt_rows, last_tokens=None):
+    def run_step(self, run, step, prompt_rows, last_tokens=None, lands: int | None = None):
         """Send one step's description to the workers, then run it here too (`run` is the
         driver's `ModelRunner.run`). With async scheduling, the tokens of the step before that
-        this one reads on the device (`last_tokens`) follow over the device group. A rank that
-        died, or stopped answering for `timeout` seconds, raises WorkerFailed, and every later
-        step too: the group is broken for good."""
+        this one reads on the device (`last_tokens`) follow over the device group. Week 20, steps
+        in flight: `lands` (not None) tells the workers to land that many of their oldest steps
+        first and start this one without waiting for it (`PipelineRunner.follow`); `step` None
+        (and `run` None) only lands. A rank that died, or stopped answering for `timeout` seconds,
+        raises WorkerFailed, and every later step too: the group is broken for good."""
+        def send_and_run():
+            self.check_alive()
+            num_last = last_tokens.numel() if step is not None and step.from_last else 0
+            self.channel.send((step, prompt_rows, num_last, lands))
+            if num_last:
+                dist.broadcast(last_tokens.contiguous(), src=0, group=self.group.device_group)
+            return None if run is None else run(step, prompt_rows, last_tokens)
+
+        return self.guard(send_and_run)
+
+    def guard(self, work, *args):
+        """Run `work(*args)`, a part of a step that talks to the other ranks: a collective that fails
+        or times out marks the group broken (WorkerFailed, now and for every later step)."""
         if self.failed is not None:
             raise WorkerFailed(self.failed)
         try:
-            self.check_alive()
-            num_last = last_tokens.numel() if step.from_last else 0
-            self.channel.send((step, prompt_rows, num_last))
-            if num_last:
-                dist.broadcast(last_tokens.contiguous(), src=0, group=self.group.device_group)
-            return run(step, prompt_rows, last_tokens)
+            return work(*args)
         except (RuntimeError, TimeoutError, dist.DistBackendError) as e:  # a collective failed, or timed out
             self.failed = str(e) if isinstance(e, WorkerFailed) else \
                 f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
