@@ -24,7 +24,8 @@ a time, in order. A step takes M + P - 1 slots, and every stage is busy in M of 
 idles (P - 1) / (M + P - 1) of the step: the *bubble*. One micro-batch (M = 1) idles every stage
 (P - 1) / P of the time, a relay race with one baton; more micro-batches shrink the bubble.
 
-The number of micro-batches (`--pipeline-micro-batches`) is P by default: the bubble drops from
+The number of micro-batches (`--pipeline-micro-batches`) is P by default with one step in flight
+(1 with several: nanoserve/engine/steps_in_flight.py fills the stages with other steps): the bubble drops from
 (P - 1) / P to (P - 1) / (2P - 1) (from 1/2 to 1/3 with two stages), while each micro-batch keeps
 1/P of the batch's rows. More cost something: a micro-batch is cut by whole sequences, so there can
 be no more than the step's sequences, and each extra one re-reads the stage's weights, which in a
