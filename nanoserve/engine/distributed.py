@@ -141,11 +141,13 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
         side = build_device_side(dataclasses.replace(config, device=device), group)
         runner = side.runner
         while (message := channel.recv()) is not None:
-            step, prompt_rows, num_last, lands = message
-            if lands is None:  # one step at a time
-                runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
-            else:  # week 20: steps in flight through a pipeline, in the driver's order
+            if len(message) == 4:  # week 20: steps in flight through a pipeline, in the driver's order
+                step, prompt_rows, _, lands = message
                 runner.follow(step, prompt_rows, lands)
+                runner.prompt_logprobs.clear()
+                continue
+            step, prompt_rows, num_last = message
+            runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
             runner.prompt_logprobs.clear()  # only the driver reports them
     finally:
         if side is not None:
@@ -269,35 +271,49 @@ class Workers:
                     reason = f"failed: {type(e).__name__}: {e}"
                 raise WorkerFailed(f"{rank_name(rank, self.tp, self.pp)} (a Ray actor) {reason}; restart the server")
 
-    def run_step(self, run, step, prompt_rows, last_tokens=None, lands: int | None = None):
+    def run_step(self, run, step, prompt_rows, last_tokens=None):
         """Send one step's description to the workers, then run it here too (`run` is the
         driver's `ModelRunner.run`). With async scheduling, the tokens of the step before that
-        this one reads on the device (`last_tokens`) follow over the device group. Week 20, steps
-        in flight: `lands` (not None) tells the workers to land that many of their oldest steps
-        first and start this one without waiting for it (`PipelineRunner.follow`); `step` None
-        (and `run` None) only lands. A rank that died, or stopped answering for `timeout` seconds,
-        raises WorkerFailed, and every later step too: the group is broken for good."""
-        def send_and_run():
+        this one reads on the device (`last_tokens`) follow over the device group. A rank that
+        died, or stopped answering for `timeout` seconds, raises WorkerFailed, and every later
+        step too: the group is broken for good."""
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+        try:
             self.check_alive()
-            num_last = last_tokens.numel() if step is not None and step.from_last else 0
-            self.channel.send((step, prompt_rows, num_last, lands))
+            num_last = last_tokens.numel() if step.from_last else 0
+            self.channel.send((step, prompt_rows, num_last))
             if num_last:
                 dist.broadcast(last_tokens.contiguous(), src=0, group=self.group.device_group)
-            return None if run is None else run(step, prompt_rows, last_tokens)
+            return run(step, prompt_rows, last_tokens)
+        except (RuntimeError, TimeoutError, dist.DistBackendError) as e:  # a collective failed, or timed out
+            raise self.broken(e) from e
 
-        return self.guard(send_and_run)
+    def run_in_flight(self, start, step, prompt_rows, lands: int):
+        """Week 20, steps in flight through a pipeline: tell the workers to land their `lands` oldest
+        steps, then start `step` (None: none) without waiting for it (`PipelineRunner.follow`), and
+        start it here too (`start`: the driver's `PipelineRunner.start`; None with no step)."""
+        def send_and_start():
+            self.check_alive()
+            self.channel.send((step, prompt_rows, 0, lands))
+            return None if start is None else start(step, prompt_rows)
+
+        return self.guard(send_and_start)
 
     def guard(self, work, *args):
-        """Run `work(*args)`, a part of a step that talks to the other ranks: a collective that fails
-        or times out marks the group broken (WorkerFailed, now and for every later step)."""
+        """Run `work(*args)`, a part of a step that talks to the other ranks, as `run_step` does."""
         if self.failed is not None:
             raise WorkerFailed(self.failed)
         try:
             return work(*args)
-        except (RuntimeError, TimeoutError, dist.DistBackendError) as e:  # a collective failed, or timed out
-            self.failed = str(e) if isinstance(e, WorkerFailed) else \
-                f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
-            raise WorkerFailed(self.failed) from e
+        except (RuntimeError, TimeoutError, dist.DistBackendError) as e:
+            raise self.broken(e) from e
+
+    def broken(self, e: BaseException) -> WorkerFailed:
+        """A collective failed or timed out: the group is broken for good (every later step fails too)."""
+        self.failed = str(e) if isinstance(e, WorkerFailed) else \
+            f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
+        return WorkerFailed(self.failed)
 
     def close(self) -> None:
         """Tell the workers to stop, leave the process group together with them, and wait for

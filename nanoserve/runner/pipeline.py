@@ -392,13 +392,14 @@ class PipelineRunner(ModelRunner):
     def launch(self, batch) -> None:
         """Start `batch` on every stage (the workers told first) and keep it in `pending`; stage 0's
         part is queued without waiting for the other stages."""
-        step, prompt_rows, _ = self.plan_step(batch)
-        self.pending.append(self.workers.run_step(self.start, step, prompt_rows, lands=0))
+        step = self.step_input(batch)  # (no adapters, no placeholders under a pipeline)
+        prompt_rows = self.prompt_rows(batch, step)
+        self.pending.append(self.workers.run_in_flight(self.start, step, prompt_rows, lands=0))
 
     def land_oldest(self) -> torch.Tensor:
         """Land the oldest step in `pending` (tensor-parallel ranks of stage 0 told first): its logits."""
         if self.stage.tp_size > 1:  # they run the head's collectives with the driver: they land it now too
-            self.workers.run_step(None, None, [], lands=1)
+            self.workers.run_in_flight(None, None, [], lands=1)
         return self.workers.guard(self.land, self.pending.pop(0))
 
     def bubble_stats(self) -> dict:

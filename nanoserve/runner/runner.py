@@ -164,14 +164,6 @@ class ModelRunner:
         `last` (async scheduling): the previous step's sampled tokens, still on the
         device, and the row of each sequence's token among them. A sequence whose newest token
         is a placeholder (`PENDING`) takes it from there."""
-        step, prompt_rows, last_tokens = self.plan_step(batch, last)
-        if self.workers is not None:  # week 18: every rank runs the same step
-            return self.workers.run_step(self.run, step, prompt_rows, last_tokens)
-        return self.run(step, prompt_rows, last_tokens)
-
-    def plan_step(self, batch: Batch, last: tuple[torch.Tensor, dict[int, int]] | None = None):
-        """`execute`'s first half, on the host: the step as plain data, its prompt-logprob rows, and the
-        device tokens its placeholders read (async scheduling; else None)."""
         step = self.step_input(batch)
         step.lora_slots = self.lora_slots(batch)  # week 23
         last_tokens = None
@@ -184,7 +176,9 @@ class ModelRunner:
                     step.input_ids[row] = 0
                     step.from_last.append((row, rows[seq.seq_id]))
         prompt_rows = self.prompt_rows(batch, step)  # prompt logprobs: rows whose logits are kept, in eager steps only
-        return step, prompt_rows, last_tokens
+        if self.workers is not None:  # week 18: every rank runs the same step
+            return self.workers.run_step(self.run, step, prompt_rows, last_tokens)
+        return self.run(step, prompt_rows, last_tokens)
 
     @torch.no_grad()
     def run(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]],
