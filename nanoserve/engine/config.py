@@ -92,7 +92,9 @@ class EngineConfig:
     expert_parallel_size: int = 1  # week 24: ranks the experts of a mixture of experts are split over (attention
     # replicated on each); not combined with tensor or pipeline parallelism yet
     pipeline_micro_batches: int | None = None  # week 20: micro-batches per step through the stages; default:
-    # pipeline_parallel_size (why: nanoserve/runner/pipeline.py)
+    # pipeline_parallel_size with one step in flight, else 1 (why: nanoserve/runner/pipeline.py)
+    pipeline_steps_in_flight: int | None = None  # week 20: engine steps (of disjoint lanes of sequences) in the
+    # stages at once; default: pipeline_parallel_size (1: one step at a time; nanoserve/engine/steps_in_flight.py)
     distributed_executor: str = "mp"  # week 18: how the other ranks start: "mp" (processes) or "ray" (actors)
     distributed_timeout: float = 300.0  # week 18: seconds a rank waits for the others before failing
     all_reduce: str = "auto"  # week 20: "auto" (one-shot over peer-to-peer memory for small messages) or "nccl"
@@ -296,7 +298,10 @@ def add_parallel_arguments(p) -> None:
                         "default: %(default)s)")
     p.add_argument("--pipeline-micro-batches", type=int, default=None,
                    help="micro-batches each step is cut into for the stages (week 20; default: "
-                        "--pipeline-parallel-size)")
+                        "--pipeline-parallel-size with one step in flight, else 1)")
+    p.add_argument("--pipeline-steps-in-flight", type=int, default=None,
+                   help="engine steps, each of its own lane of sequences, in the pipeline's stages at once (week 20; "
+                        "default: --pipeline-parallel-size; 1: one step at a time)")
     p.add_argument("--distributed-executor", choices=["mp", "ray"], default="mp",
                    help="start the other ranks as local processes (mp) or as Ray actors, which may run on other "
                         "hosts of a Ray cluster (ray; needs `pip install ray`; default: %(default)s)")

@@ -13,7 +13,7 @@ from nanoserve.attention.cpu_pool import CPUKVPool
 from nanoserve.attention.fp8_cache import kv_bytes_per_block
 from nanoserve.course.stubs import stubbed_weeks
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.pipeline import build_stage_model
+from nanoserve.engine.pipeline import build_stage_model, pipeline_depths
 from nanoserve.engine.step_channel import one_host
 from nanoserve.kernels.quant_matmul import use_quantized_kernels
 from nanoserve.model.llama import Llama
@@ -94,7 +94,7 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
         runner_args["lora"] = AdapterPool(*enable_lora(model, c.max_loras, c.max_lora_rank))
     runner_class = PipelineRunner if pipeline else ModelRunner
     if pipeline:
-        runner_args.update(micro_batches=c.pipeline_micro_batches, cpu_group=group.cpu_group)
+        runner_args.update(micro_batches=pipeline_depths(c)[1], cpu_group=group.cpu_group)
     kv_sizing = None
     num_blocks = c.num_blocks
     if num_blocks is None:

@@ -141,6 +141,11 @@ def worker_main(config, rank: int, size: int, init_method: str, timeout: float, 
         side = build_device_side(dataclasses.replace(config, device=device), group)
         runner = side.runner
         while (message := channel.recv()) is not None:
+            if len(message) == 4:  # week 20: steps in flight through a pipeline, in the driver's order
+                step, prompt_rows, _, lands = message
+                runner.follow(step, prompt_rows, lands)
+                runner.prompt_logprobs.clear()
+                continue
             step, prompt_rows, num_last = message
             runner.run(step, prompt_rows, receive_last_tokens(group, num_last, device))
             runner.prompt_logprobs.clear()  # only the driver reports them
@@ -282,9 +287,33 @@ class Workers:
                 dist.broadcast(last_tokens.contiguous(), src=0, group=self.group.device_group)
             return run(step, prompt_rows, last_tokens)
         except (RuntimeError, TimeoutError, dist.DistBackendError) as e:  # a collective failed, or timed out
-            self.failed = str(e) if isinstance(e, WorkerFailed) else \
-                f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
-            raise WorkerFailed(self.failed) from e
+            raise self.broken(e) from e
+
+    def run_in_flight(self, start, step, prompt_rows, lands: int):
+        """Week 20, steps in flight through a pipeline: tell the workers to land their `lands` oldest
+        steps, then start `step` (None: none) without waiting for it (`PipelineRunner.follow`), and
+        start it here too (`start`: the driver's `PipelineRunner.start`; None with no step)."""
+        def send_and_start():
+            self.check_alive()
+            self.channel.send((step, prompt_rows, 0, lands))
+            return None if start is None else start(step, prompt_rows)
+
+        return self.guard(send_and_start)
+
+    def guard(self, work, *args):
+        """Run `work(*args)`, a part of a step that talks to the other ranks, as `run_step` does."""
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+        try:
+            return work(*args)
+        except (RuntimeError, TimeoutError, dist.DistBackendError) as e:
+            raise self.broken(e) from e
+
+    def broken(self, e: BaseException) -> WorkerFailed:
+        """A collective failed or timed out: the group is broken for good (every later step fails too)."""
+        self.failed = str(e) if isinstance(e, WorkerFailed) else \
+            f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e}); restart the engine"
+        return WorkerFailed(self.failed)
 
     def close(self) -> None:
         """Tell the workers to stop, leave the process group together with them, and wait for

@@ -31,9 +31,10 @@ from nanoserve.engine.disaggregation import check_kv_transfer, disaggregation_si
 from nanoserve.engine.distributed import WorkerFailed, start_tensor_parallel, stop_workers
 from nanoserve.engine.lora import LoRARegistry
 from nanoserve.engine.outputs import OutputProcessor, RequestOutput
-from nanoserve.engine.pipeline import check_pipeline_config
+from nanoserve.engine.pipeline import check_pipeline_config, pipeline_depths
 from nanoserve.engine.reports import EngineReports
 from nanoserve.engine.speculative import SpecDecoder
+from nanoserve.engine.steps_in_flight import StepsInFlight
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.model.loader import check_model_dir, resolve_model_dir
 from nanoserve.sampling.grammar import TokenConstraint, make_tokenizer
@@ -135,6 +136,8 @@ class Engine(EngineReports):
         self._needs_tokens: set[int] = set()  # requests whose sampling reads earlier tokens on the host
         self._host_tokens = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]  # pinned, alternated
         self.kv_prefill, self.kv_decode = disaggregation_sides(c, self.runner.cache)  # issue 35; None, None: both phases
+        depth = pipeline_depths(c)[0]  # week 20: steps in flight through a pipeline's stages (1: one at a time)
+        self.pipelined = StepsInFlight(self.scheduler, self.runner, depth) if depth > 1 else None
 
     def _prefix_caching(self) -> bool:
         """Week 14's prefix caching: as asked, or by default on with continuous batching. In a
@@ -281,11 +284,17 @@ class Engine(EngineReports):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or \
+            (self.pipelined is not None and self.pipelined.busy) or \
             (self.kv_decode is not None and bool(self.kv_decode.arrivals))
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (week 18), if any, and the KV connector's thread
         (issue 35). Idempotent."""
+        if self.pipelined is not None and self.workers is not None and not self.workers.closed:
+            try:  # week 20: the steps in flight end before the group does
+                self.pipelined.abandon()
+            except WorkerFailed:
+                pass
         if self.workers is not None:
             stop_workers(self.runner, self.workers)
         for side in (self.kv_prefill, self.kv_decode):
@@ -306,6 +315,11 @@ class Engine(EngineReports):
             if not self.scheduler.has_unfinished() and self._in_flight is None:  # only transfers to wait for:
                 self.kv_decode.connector.wait_for_landing(0.01)                  # no busy loop
                 return []
+        if self.pipelined is not None:  # week 20: launch one lane's step, land the steps whose lanes come next
+            batch, landed = self.pipelined.step(self.sample)
+            if batch.seqs:
+                self._count_step(start, batch)
+            return [out for done in landed for out in self.deliver(done)]
         run_async = self.async_scheduling and not self._needs_tokens
         if self._in_flight is not None and not run_async:  # a request that needs its tokens on the host came in
             return self.deliver(self.resolve_in_flight())

@@ -35,13 +35,18 @@ def check_pipeline_config(c: EngineConfig, model_dir) -> None:
     before any process starts. With one stage, only a micro-batch count is refused (it would be
     ignored)."""
     if c.pipeline_parallel_size == 1:
-        if c.pipeline_micro_batches is not None:
-            raise ValueError("pipeline_micro_batches cuts a step for the stages of a pipeline: it needs "
-                             "pipeline_parallel_size > 1")
+        for name in ("pipeline_micro_batches", "pipeline_steps_in_flight"):
+            if getattr(c, name) is not None:
+                raise ValueError(f"{name} shapes the flow through the stages of a pipeline: it needs "
+                                 "pipeline_parallel_size > 1")
         return
     check_pipelinable(ModelConfig.from_json(model_dir), c.pipeline_parallel_size)
-    if c.pipeline_micro_batches is not None and c.pipeline_micro_batches < 1:
-        raise ValueError(f"pipeline_micro_batches must be at least 1, not {c.pipeline_micro_batches}")
+    for name in ("pipeline_micro_batches", "pipeline_steps_in_flight"):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            raise ValueError(f"{name} must be at least 1, not {getattr(c, name)}")
+    if (c.pipeline_steps_in_flight or 1) > 1 and (c.batching != "continuous" or c.kv_role is not None):
+        raise ValueError("pipeline_steps_in_flight > 1 splits continuously batched sequences into lanes: it needs "
+                         "batching='continuous' and no kv_role (use pipeline_steps_in_flight=1)")
     refused = [(c.cuda_graphs, "cuda_graphs=True: CUDA graphs are not captured under pipeline parallelism yet "
                                "(leave it unset: the stages run eagerly)"),
                (c.async_scheduling, "async scheduling does not work with pipeline parallelism (the stages "
@@ -51,6 +56,21 @@ def check_pipeline_config(c: EngineConfig, model_dir) -> None:
     for on, why in refused:
         if on:
             raise ValueError(why)
+
+
+def pipeline_depths(c: EngineConfig) -> tuple[int, int]:
+    """(steps in flight, micro-batches per step) of a pipeline, their defaults resolved; every rank
+    computes the same. Steps in flight: P by default, so that each stage has a step of its own
+    (nanoserve/engine/steps_in_flight.py), except where lanes do not apply (other batchings, a
+    disaggregated instance). Micro-batches: P with one step in flight (the bubble drops to
+    (P - 1) / (2P - 1)), else 1: the steps in flight already keep the stages busy, and every
+    micro-batch re-reads the stage's weights (nanoserve/runner/pipeline.py)."""
+    p = c.pipeline_parallel_size
+    if p == 1:
+        return 1, 1
+    lanes_apply = c.batching == "continuous" and c.kv_role is None
+    steps = c.pipeline_steps_in_flight or (p if lanes_apply else 1)
+    return steps, c.pipeline_micro_batches or (p if steps == 1 else 1)
 
 
 def join_stages(c: EngineConfig, world: Group) -> tuple[Stage, Group]:

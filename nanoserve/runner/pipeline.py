@@ -24,7 +24,8 @@ a time, in order. A step takes M + P - 1 slots, and every stage is busy in M of 
 idles (P - 1) / (M + P - 1) of the step: the *bubble*. One micro-batch (M = 1) idles every stage
 (P - 1) / P of the time, a relay race with one baton; more micro-batches shrink the bubble.
 
-The number of micro-batches (`--pipeline-micro-batches`) is P by default: the bubble drops from
+The number of micro-batches (`--pipeline-micro-batches`) is P by default with one step in flight
+(1 with several: nanoserve/engine/steps_in_flight.py fills the stages with other steps): the bubble drops from
 (P - 1) / P to (P - 1) / (2P - 1) (from 1/2 to 1/3 with two stages), while each micro-batch keeps
 1/P of the batch's rows. More cost something: a micro-batch is cut by whole sequences, so there can
 be no more than the step's sequences, and each extra one re-reads the stage's weights, which in a
@@ -185,6 +186,15 @@ class StageClock:
         event.record()
         return event
 
+    def later(self, a, b):
+        """The later of two marks (b may be None: a). Both must have happened (on a GPU: their
+        events recorded and reached)."""
+        if b is None:
+            return a
+        if not self.cuda:
+            return max(a, b)
+        return b if a.elapsed_time(b) > 0 else a
+
     def seconds(self, spans: list[tuple]) -> float:
         """The total length of (start, end) spans."""
         if not self.cuda:
@@ -192,6 +202,21 @@ class StageClock:
         if spans:
             spans[-1][1].synchronize()
         return sum(start.elapsed_time(end) for start, end in spans) / 1000
+
+
+@dataclass
+class Launched:
+    """A step this stage has started (`PipelineRunner.start`) and not yet landed: what `land` needs."""
+
+    step: StepInput
+    prompt_rows: list[tuple]
+    start: object  # the clock's mark at its start
+    spans: list  # this stage's busy (start, end) marks for it
+    timings: list[Received]  # on the driver: the other stages' busy time for it, on its way
+    parts: list[MicroBatch]
+    depth: int  # steps this stage had started and not landed when it started, itself included
+    returned: list[Received] = None  # on stage 0: the rows the last stage sends back
+    sends: list = None  # the handles of its sends
 
 
 # --------------------------------------------------------------------------------- the runner
@@ -213,11 +238,14 @@ class PipelineRunner(ModelRunner):
         self.clock = StageClock(self.device)
         self.dtype = self.cache.dtype  # the model's (issue 33: an FP8 pool stores another)
         self.like = torch.empty(0, dtype=self.dtype, device=self.device)  # what the stages send: hidden states
+        self.pending: list[Launched] = []  # steps started and not landed: the driver's `StepsInFlight`, or `follow`
+        self.last_landed = None  # the clock's mark when the last step landed
         self.reset_bubble_stats()
 
     def reset_bubble_stats(self) -> None:
         """Start counting the bubble afresh (the driver keeps the counts)."""
         self.steps, self.wall_s, self.scheduled_idle_s = 0, 0.0, 0.0
+        self.most_in_flight = 1
         self.busy_s = [0.0] * self.stage.num_stages
 
     @torch.no_grad()
@@ -225,23 +253,54 @@ class PipelineRunner(ModelRunner):
             last_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """This stage's share of one step; on stage 0 the head too. Returns the logits of the
         sampled rows on stage 0 (every rank of its tensor-parallel group runs the head), else None."""
+        return self.land(self.start(step, prompt_rows, last_tokens))
+
+    @torch.no_grad()
+    def start(self, step: StepInput, prompt_rows: list[tuple[int, int, int, int, int]],
+              last_tokens: torch.Tensor | None = None) -> "Launched":
+        """`run`'s first half: the stage's micro-batches through its layers, their transfers posted.
+        On stage 0 nothing here waits for another stage, so the driver can start the next step (of
+        other sequences) before this one comes back: steps in flight (nanoserve/engine/steps_in_flight.py)."""
         assert last_tokens is None and not step.from_last, "async scheduling is refused under pipeline parallelism"
         self.copy_blocks(step)  # the CPU tier: this stage's layers of the blocks
-        start, spans = self.clock.mark(), []
-        timings = self.expect_timings()
-        parts = micro_batches(step, prompt_rows, self.micro_batches)
-        returned = self.flow(parts, spans)
+        launched = Launched(step, prompt_rows, self.clock.mark(), spans=[], timings=self.expect_timings(),
+                            parts=micro_batches(step, prompt_rows, self.micro_batches), depth=len(self.pending) + 1)
+        launched.returned, launched.sends = self.flow(launched.parts, launched.spans)
+        return launched
+
+    @torch.no_grad()
+    def land(self, launched: "Launched") -> torch.Tensor | None:
+        """`run`'s second half: wait for the step's transfers; on stage 0, the head over the rows the
+        last stage sent back. Returns the logits of the sampled rows on stage 0, else None."""
+        for work, _ in launched.sends:  # (the tensors stay referenced until their sends are done)
+            work.wait()
         logits = None
         if self.stage.is_first:
             head_start = self.clock.mark()
-            logits = self.head(step, prompt_rows, parts, returned)
-            spans.append((head_start, self.clock.mark()))
-        self.count_step(len(parts), start, spans, timings)
+            logits = self.head(launched.step, launched.prompt_rows, launched.parts,
+                               [box.get() for box in launched.returned])
+            launched.spans.append((head_start, self.clock.mark()))
+        self.count_step(launched)
         return logits
 
-    def flow(self, parts: list[MicroBatch], spans: list) -> list[torch.Tensor]:
+    def follow(self, step: StepInput | None, prompt_rows: list[tuple], lands: int) -> None:
+        """A worker's part of steps in flight, in the driver's order: on stage 0 (a tensor-parallel
+        rank beside the driver, whose head needs this rank's collectives) land the `lands` oldest
+        steps, then start `step` and keep it; on another stage, run `step` whole (`lands` is the
+        driver's business: this stage's work on a step needs nothing after it)."""
+        if not self.stage.is_first:
+            if step is not None:
+                self.run(step, prompt_rows)
+            return
+        for _ in range(lands):
+            self.land(self.pending.pop(0))
+        if step is not None:
+            self.pending.append(self.start(step, prompt_rows))
+
+    def flow(self, parts: list[MicroBatch], spans: list) -> tuple[list[Received], list]:
         """Run this stage's micro-batches in the schedule's slots, posting each boundary's transfers
-        between slots. Returns, on stage 0, each micro-batch's rows sent back by the last stage."""
+        between slots. Returns, on stage 0, the receives of each micro-batch's rows the last stage
+        sends back, and the sends' handles (`land` waits for both)."""
         st = self.stage
         schedule = pipeline_schedule(st.num_stages, len(parts))
         mine, last = stage_timeline(schedule, st.index), stage_timeline(schedule, st.num_stages - 1)
@@ -263,9 +322,7 @@ class PipelineRunner(ModelRunner):
                 shape = (len(parts[last[t]].rows), self.model.config.hidden_size)
                 returned.append(boundary.receive(shape, self.like, st.rank_of(st.num_stages - 1)))
             sends += boundary.post()
-        for work, _ in sends:  # (the tensors stay referenced until their sends are done)
-            work.wait()
-        return [box.get() for box in returned]
+        return returned, sends
 
     def compute(self, part: MicroBatch, received: torch.Tensor | None) -> torch.Tensor:
         """One micro-batch through this stage's layers: its stream out, [T_i, hidden]."""
@@ -307,22 +364,43 @@ class PipelineRunner(ModelRunner):
             boxes.append(box)
         return boxes
 
-    def count_step(self, num_micro: int, start, spans: list, timings: list[Received]) -> None:
+    def count_step(self, launched: Launched) -> None:
         """The step's busy time: stages other than 0 send theirs to the driver (their first
-        tensor-parallel rank does), which adds them, its own and the step's wall time up."""
-        busy = self.clock.seconds(spans)
+        tensor-parallel rank does), which adds them, its own and the step's wall time up. With
+        steps in flight the steps overlap: a step's wall time runs from its start or the landing
+        of the step before, whichever came later, so the walls add up to the time the pipeline ran."""
+        busy = self.clock.seconds(launched.spans)
         st = self.stage
         if not st.is_first and st.tp_rank == 0 and self.cpu_group is not None:
             dist.send(torch.tensor([busy], dtype=torch.float64), st.rank_of(0), group=self.cpu_group, tag=TIMING_TAG)
         if not (st.is_first and st.tp_rank == 0):
             return
-        wall = self.clock.seconds([(start, self.clock.mark())])
+        end = self.clock.mark()
+        wall = self.clock.seconds([(self.clock.later(launched.start, self.last_landed), end)])
+        self.last_landed = end
         self.steps += 1
         self.wall_s += wall
-        self.scheduled_idle_s += wall * bubble_fraction(st.num_stages, num_micro)
+        self.most_in_flight = max(self.most_in_flight, launched.depth)
+        # The schedule's bubble: with d steps in flight the stages see a stream of d × M micro-batches.
+        self.scheduled_idle_s += wall * bubble_fraction(st.num_stages, len(launched.parts) * launched.depth)
         self.busy_s[0] += busy
-        for s, box in enumerate(timings, start=1):
+        for s, box in enumerate(launched.timings, start=1):
             self.busy_s[s] += float(box.get().item())
+
+    # -- steps in flight, on the driver (nanoserve/engine/steps_in_flight.py) -----------------------
+
+    def launch(self, batch) -> None:
+        """Start `batch` on every stage (the workers told first) and keep it in `pending`; stage 0's
+        part is queued without waiting for the other stages."""
+        step = self.step_input(batch)  # (no adapters, no placeholders under a pipeline)
+        prompt_rows = self.prompt_rows(batch, step)
+        self.pending.append(self.workers.run_in_flight(self.start, step, prompt_rows, lands=0))
+
+    def land_oldest(self) -> torch.Tensor:
+        """Land the oldest step in `pending` (tensor-parallel ranks of stage 0 told first): its logits."""
+        if self.stage.tp_size > 1:  # they run the head's collectives with the driver: they land it now too
+            self.workers.run_in_flight(None, None, [], lands=1)
+        return self.workers.guard(self.land, self.pending.pop(0))
 
     def bubble_stats(self) -> dict:
         """What the stages did since the last reset (on the driver): steps, wall seconds, each
@@ -333,7 +411,8 @@ class PipelineRunner(ModelRunner):
         return dict(steps=self.steps, wall_s=self.wall_s, busy_s=list(self.busy_s), idle_fraction=idle,
                     mean_idle_fraction=sum(idle) / len(idle),
                     scheduled_idle_fraction=self.scheduled_idle_s / self.wall_s if self.wall_s else 0.0,
-                    num_stages=self.stage.num_stages, micro_batches=self.micro_batches)
+                    num_stages=self.stage.num_stages, micro_batches=self.micro_batches,
+                    steps_in_flight=self.most_in_flight)
 
     def measure_forward(self, step: StepInput) -> None:
         """`measure_step_memory`'s forward pass for one stage alone: its layers over the largest step

@@ -297,7 +297,7 @@ def test_pp2_greedy_tokens_equal_pp1_and_hf(three_layers):
     scored = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     one = LLM(str(path), **CPU)
     expected, expected_scored = tokens(one, prompts), one.generate(prompts[:2], scored)
-    llm = LLM(str(path), **CPU, pipeline_parallel_size=2, pipeline_micro_batches=3)
+    llm = LLM(str(path), **CPU, pipeline_parallel_size=2, pipeline_micro_batches=3, pipeline_steps_in_flight=1)
     stage = llm.engine.runner.model.stage
     assert (stage.first_layer, stage.last_layer) == (0, 1)  # stage 0: one layer of three, the remainder on stage 1
     assert tokens(llm, prompts) == expected
