@@ -21,8 +21,8 @@ against `dequantize` followed by a matrix product.
 `Fp8Linear` (`--quantization fp8`) multiplies with `torch._scaled_mm` on FP8 tensor cores, which
 needs the activations cut to e4m3 too: three small kernels a call, and a product built for many
 rows. Measured at batch 1 on an H100 it ran at 0.57x bf16 (docs/benchmarks.md, week 22). Up to
-`GEMV_ROWS` rows it goes through `fp8_gemv` instead: the same matrix-vector shape as the integer
-one, the e4m3 bytes widened in registers.
+`GEMV_ROWS` rows it goes through `fp8_gemv` instead: the integer layers' matrix-vector kernel, the
+e4m3 bytes widened in registers (`BITS=0`).
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ def _widen_tile(Q, S, O, cols, k0, in_cols, K, stride_q, stride_s, BITS: tl.cons
     """W[cols, k0 : k0 + BLOCK_K] widened in registers: [BLOCK_N, BLOCK_K] float32 codes · s + o.
 
     The codes are read as stored (4 bits: BLOCK_K / 2 bytes a row, each split into its low nibble,
-    the even input, and its high one). When BLOCK_K is a multiple of a power-of-two GROUP, each row
+    the even input, and its high one; BITS = 0: float8 e4m3 bytes, `fp8_gemv`'s, read as numbers). When BLOCK_K is a multiple of a power-of-two GROUP, each row
     reads BLOCK_K / GROUP scales and offsets, broadcast over their groups; otherwise (a group size
     such as 48) every weight gathers its own group's, which is slower but any size works."""
-    if BITS == 8:
+    if BITS == 8 or BITS == 0:
         ks = k0 + tl.arange(0, BLOCK_K)
-        code = tl.load(Q + cols[:, None] * stride_q + ks[None, :], mask=in_cols[:, None] & (ks[None, :] < K),
-                       other=0).to(tl.float32)
+        code = tl.load(Q + cols[:, None] * stride_q + ks[None, :], mask=in_cols[:, None] & (ks[None, :] < K), other=0)
+        if BITS == 0:
+            code = code.to(tl.float8e4nv, bitcast=True)
+        code = code.to(tl.float32)
     else:
         half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         byte = tl.load(Q + cols[:, None] * stride_q + half[None, :], mask=in_cols[:, None] & (half[None, :] < K // 2),
@@ -157,41 +159,38 @@ def quant_matmul(x: torch.Tensor, layer: QuantizedLinear, config: tuple | None =
     return y.reshape(*shape[:-1], n)
 
 
-@triton.jit
-def _fp8_gemv_kernel(X, W, S, Y, N, K, stride_x, stride_w, stride_y, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row against BLOCK_N rows of e4m3 W: the codes widened in registers, summed in
-    float32 against the row as it is, each output multiplied by its row's scale once at the end."""
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        code = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=in_cols[:, None] & (ks[None, :] < K), other=0)
-        w = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # the stored bytes, read as e4m3
-        acc += tl.sum(w * x[None, :], axis=1)
-    scale = tl.load(S + cols, mask=in_cols, other=0.0)
-    tl.store(Y + row * stride_y + cols, (acc * scale).to(Y.dtype.element_ty), mask=in_cols)
-
-
 def fp8_gemv(x: torch.Tensor, layer: Fp8Linear, config: tuple | None = None) -> torch.Tensor:
     """x [..., K] · (W8 · s)ᵀ -> [..., N] in x's dtype (no bias): up to `GEMV_ROWS` rows, the weights'
-    bytes read once and widened in registers, the activations kept in their dtype (weight-only, as
-    the integer layers); more rows go to the layer's `_scaled_mm` product."""
+    bytes read once and widened in registers by the integer layers' matrix-vector kernel (its
+    e4m3 mode, `BITS=0`), the activations kept in their dtype (weight-only, as the integer layers);
+    more rows go to the layer's `_scaled_mm` product. A row's one scale is handed to the kernel as
+    groups of `GROUP` inputs that all share it, and offsets of zero."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     m, k = x2.shape
     if m > GEMV_ROWS:
         return layer.scaled_product(x)  # a batch: FP8 tensor cores, the activations cut per token
     n = layer.out_features
+    group = fp8_group(k)
+    if getattr(layer, "gemv_scales", None) is None:  # made once: the row scales as groups, and their zero offsets
+        layer.gemv_scales = layer.scales.expand(n, k // group).contiguous()
+        layer.gemv_offsets = torch.zeros_like(layer.gemv_scales)
     y = x2.new_empty(m, n)
-    codes = layer.weight_fp8.view(torch.uint8)  # Triton reads the bytes and widens them as e4m3
+    codes = layer.weight_fp8.view(torch.uint8)  # the kernel reads the bytes and widens them as e4m3
     bn, bk, warps = config or GEMV_BLOCKS
-    _fp8_gemv_kernel[(m, triton.cdiv(n, bn))](x2, codes, layer.scales, y, n, k, x2.stride(0), codes.stride(0),
-                                             y.stride(0), BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(k)),
-                                             num_warps=warps)
+    _quant_gemv_kernel[(m, triton.cdiv(n, bn))](x2, codes, layer.gemv_scales, layer.gemv_offsets, y, n, k,
+                                                x2.stride(0), codes.stride(0), layer.gemv_scales.stride(0), y.stride(0),
+                                                BITS=0, GROUP=group, BLOCK_N=bn, BLOCK_K=max(bk, group), num_warps=warps)
     return y.reshape(*shape[:-1], n)
+
+
+def fp8_group(k: int) -> int:
+    """The largest power of two up to `GEMV_BLOCKS`' BLOCK_K that divides k: as few copies of a row's
+    scale as the kernel's power-of-two path allows (2 for k = 2,048, 64 for SmolLM2's 576)."""
+    group = GEMV_BLOCKS[1]
+    while k % group:
+        group //= 2
+    return group
 
 
 def use_quantized_kernels(model: torch.nn.Module, on: bool = True) -> int:

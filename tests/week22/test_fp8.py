@@ -83,6 +83,7 @@ def fp8_layer(n: int, k: int, bias: bool = False, seed: int = 0) -> Fp8Linear:
     return Fp8Linear(weight, scales, torch.randn(n, generator=g) if bias else None)
 
 
+@pytest.mark.exercise("fp8-rows", "quant-gemv")
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_a_decode_steps_rows_go_through_the_gemv_weight_only(rows):
     """Up to four rows (a decode step of a small batch) `fp8_gemv` widens the e4m3 bytes in
@@ -94,13 +95,16 @@ def test_a_decode_steps_rows_go_through_the_gemv_weight_only(rows):
     x = torch.randn(rows, 100, generator=torch.Generator().manual_seed(rows))
     expected = x @ (layer.weight_fp8.float() * layer.scales).t()
     torch.testing.assert_close(fp8_gemv(x, layer), expected, rtol=1e-5, atol=1e-5)
-    # bfloat16 activations: the same sums, rounded once at the end
+    # bfloat16 activations: each widened weight rounded to bfloat16 as the integer layers' are, the
+    # sums in float32, rounded once at the end (within 2% of the largest output: the interpreter's
+    # bfloat16 conversion does not round as the GPU's does)
     got = fp8_gemv(x.bfloat16(), layer)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), x.bfloat16().float() @ (layer.weight_fp8.float() * layer.scales).t(),
-                               rtol=1e-2, atol=1e-2)
+    expected = x.bfloat16().float() @ (layer.weight_fp8.float() * layer.scales).t()
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+@pytest.mark.exercise("fp8-rows", "quant-gemv")
 def test_larger_batches_and_the_bias_through_the_layers_kernel():
     """`use_quantized_kernels` hands `fp8_gemv` to every `Fp8Linear`: five rows and more go to
     `_scaled_mm` (the activations cut per token) exactly as without it, and the bias is added once
