@@ -27,7 +27,8 @@ def print_bubble(engine) -> dict | None:
     (P - 1) / (M + P - 1); returns the figures (None with one stage)."""
     bubble = engine.pipeline_stats()
     if bubble is not None:
-        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step; idle share "
+        print(f"pipeline: {bubble['num_stages']} stages, {bubble['micro_batches']} micro-batches a step, up to "
+              f"{bubble.get('steps_in_flight', 1)} steps in flight; idle share "
               f"per stage {', '.join(f'{f:.1%}' for f in bubble['idle_fraction'])} (mean "
               f"{bubble['mean_idle_fraction']:.1%}) against the schedule's {bubble['scheduled_idle_fraction']:.1%}")
     return bubble

@@ -207,3 +207,20 @@ def test_tp2_times_pp2_steps_in_flight():
     with LLM("tiny", **CPU, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
         assert llm.engine.pipelined is not None
         assert tokens(llm, prompts(5)) == expected
+
+
+@pytest.mark.slow
+@ONE_AT_A_TIME
+def test_bench_throughput_says_how_many_steps_were_in_flight(tmp_path, capsys):
+    """`nanoserve bench throughput -pp 2` on the CPU: the bubble line names the steps in flight, and
+    the saved bubble says two overlapped."""
+    import json
+
+    from nanoserve.cli import main
+
+    assert main(["bench", "throughput", "--model", "tiny", "--device", "cpu", "--pipeline-parallel-size", "2",
+                 "--num-requests", "6", "--lengths", "8,16", "--output-len", "4,8", "--no-hf",
+                 "--out", str(tmp_path)]) == 0
+    assert "up to 2 steps in flight" in capsys.readouterr().out
+    bubble = json.loads((tmp_path / "throughput.json").read_text())["rows"][0]["pipeline_bubble"]
+    assert bubble["steps_in_flight"] == 2
