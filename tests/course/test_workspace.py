@@ -219,11 +219,11 @@ def say(request):
 WEEKS = [w for w in TEST_WEEKS if w in EXERCISE_WEEKS]
 
 
-# Spread over both pytest-xdist workers, one inner run each at most. They once shared the large
-# models' worker, one after another, because an inner run held up to 14 GB (week 12's `bench all
-# --quick`, whose HuggingFace side sized its KV pool from the machine's RAM); capped to the workload
-# since (bench/throughput.py), an inner run peaks under 1 GB, and on one worker these runs (20 to 200 s
-# a week) had become the suite's longest path: 26 minutes of CI's pytest on 2 cores, 2026-11-27.
+# Under pytest-xdist, on the worker of the large models (tests/week02/test_full_shape.py, Gemma 3 270M),
+# one after another: an inner run held up to 14 GB (week 12's `bench all --quick`, whose HuggingFace
+# side sized its KV pool from the machine's RAM; now capped to the workload in bench/throughput.py, the
+# run peaks under 1 GB), and beside the 1B test the two did not fit a 24 GiB machine.
+@pytest.mark.xdist_group("large-models")
 @pytest.mark.parametrize("week", WEEKS)
 def test_week_tests_catch_their_own_stubs(week, tmp_path, say):
     """On a workspace stubbed from week N: week N's tests fail (else they check nothing), and the
