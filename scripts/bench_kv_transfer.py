@@ -19,6 +19,7 @@ Medians of the repeats, with the range. Shapes are the K/V of one token of every
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import statistics
 import sys
 import time
@@ -91,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds before the run stops, printing where each thread was (default: %(default)s)")
     args = ap.parse_args(argv)
+    faulthandler.dump_traceback_later(args.timeout, exit=True, file=sys.__stderr__)  # a connector that never joins ends the run
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("bench_kv_transfer moves blocks between two GPUs; this machine has fewer (use --device cpu)")
         return 2
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:>9} {r['tokens']:>7} {r['mib']:>8.3f} {spread(r['stage_ms'], '.2f'):>22} "
                   f"{spread(r['transfer_ms'], '.2f'):>24} {spread(r['gb_s'], '.1f'):>22}")
             sys.stdout.flush()
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 
