@@ -18,10 +18,19 @@ a couple of microseconds however little it computes. Fused, a layer becomes:
                     batch 1 fused into the gate_up product itself, `gate_up_silu`)
     down_proj       matrix product
 
+At batch 1 (one row, issue 39) each add_rmsnorm goes into the product after it, whose programs
+compute the row's norm in their prologue (`nanoserve/kernels/normed_gemv.py`):
+
+    qkv_proj        add_rmsnorm + matrix product                   (`normed_gemv`)
+    rope_write_kv, attention, o_proj
+    gate_up_proj    add_rmsnorm + matrix product + silu(gate) * up  (`normed_gate_up_silu`)
+    down_proj       matrix product
+
 The kernels sit behind the modules they replace, so `Llama.forward` stays the one forward pass:
-`use_fused_kernels(model)` hands `add_rmsnorm` to every `RMSNorm` and `gate_up_silu` to every `MLP`
-of the model, and a paged context built with `fused=True` calls `rope_write_kv`, in decode and
-prefill steps alike. Each kernel rounds to the model's dtype at the same points as the PyTorch
+`use_fused_kernels(model)` hands `add_rmsnorm` to every `RMSNorm`, `gate_up_silu` to every `MLP`
+and `fused_decoder_layer` (the batch-1 layer above; it declines other steps) to every
+`DecoderLayer` of the model, and a paged context built with `fused=True` calls `rope_write_kv`, in
+decode and prefill steps alike. Each kernel rounds to the model's dtype at the same points as the PyTorch
 reference in `nanoserve/model/layers.py`, so bf16 results match it except for the order of a sum.
 """
 
@@ -31,11 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.model.layers import MLP, RMSNorm
+from nanoserve.model.layers import MLP, DecoderLayer, RMSNorm
 from nanoserve.kernels.moe import use_moe_kernels
+from nanoserve.kernels.normed_gemv import fused_decoder_layer, gate_up_silu_row, plain_product
 from nanoserve.model.llama import Llama
 from nanoserve.model.quantized import FP8_MAX, KV_SCALE_FLOOR
-from nanoserve.model.tensor_parallel import ColumnParallelLinear
 
 
 @triton.jit
@@ -222,60 +231,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.jit
-def _gate_up_silu_kernel(X, W, Y, stride_w, inter, k_dim, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One row: each program reads BLOCK_N rows of the gate half of W and the matching rows
-    # of the up half, so it holds both products of its outputs and applies SiLU·mul before storing.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = rows < inter
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        in_cols = cols < k_dim
-        x = tl.load(X + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
-        both = in_rows[:, None] & in_cols[None, :]
-        wg = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32)
-        wu = tl.load(W + (rows[:, None] + inter) * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32)
-        gate += tl.sum(wg * x, axis=1)
-        up += tl.sum(wu * x, axis=1)
-    dt = Y.dtype.element_ty
-    g = gate.to(dt).to(tl.float32)  # rounded where the reference's projection output is
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu, rounded as F.silu
-    tl.store(Y + rows, (act * up.to(dt).to(tl.float32)).to(dt), mask=in_rows)
-
-
-GATE_UP_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: the best of 8 tried on an H100 (docs/benchmarks.md)
-
-
-def _plain_product(proj: torch.nn.Module) -> bool:
-    """Is `proj` x·Wᵀ and nothing else: a Linear without bias, or week 18's column-parallel slice
-    of one (a rank's gate and up rows, laid out as the whole weight's: gate first)."""
-    return (type(proj) is torch.nn.Linear and proj.bias is None) or type(proj) is ColumnParallelLinear
-
-
 def gate_up_silu(x: torch.Tensor, gate_up: torch.nn.Module) -> torch.Tensor:
     """`MLP`'s silu(gate) * up from x [T, H] and its gate_up projection (weight [2I, H], gate
     rows first) -> [T, I]. One row (a batch-1 decode step) is a matrix-vector product: one
     kernel computes it and applies SiLU·mul, so the [2I] product never goes to memory and one
     launch is saved. More rows: the projection's own matrix product, then `silu_mul`."""
-    if x.shape[0] != 1 or not _plain_product(gate_up) or not (gate_up.weight.is_contiguous() and x.is_contiguous()):
+    if x.shape[0] != 1 or not plain_product(gate_up) or not x.is_contiguous():
         return silu_mul(gate_up(x))  # a quantized or LoRA projection keeps its own product
-    w = gate_up.weight
-    inter, k_dim = w.shape[0] // 2, w.shape[1]
-    y = x.new_empty(1, inter)
-    block_n, block_k, warps = GATE_UP_BLOCKS
-    _gate_up_silu_kernel[(triton.cdiv(inter, block_n),)](x, w, y, w.stride(0), inter, k_dim,
-                                                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    return y
+    return gate_up_silu_row(x, gate_up.weight)  # the kernel lives in normed_gemv.py, beside its normed form
 
 
 def use_fused_kernels(model: Llama, on: bool = True) -> None:
     """Swap the fused kernels into (or, with on=False, out of) every norm and MLP of the model (week 24:
-    and the grouped expert kernels into every mixture of experts)."""
+    and the grouped expert kernels into every mixture of experts; issue 39: and the batch-1 layer with
+    its norms folded into the products into every decoder layer)."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = add_rmsnorm if on else None
         elif type(module) is MLP:  # SiLU's: a family's other activation (Gemma's GELU) keeps its own code
             module.fused = gate_up_silu if on else None
+        elif isinstance(module, DecoderLayer):  # a subclass's layer (experts) is declined inside the hook
+            module.fused = fused_decoder_layer if on else None
     use_moe_kernels(model, on)

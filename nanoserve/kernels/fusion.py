@@ -11,12 +11,16 @@ that captured this one, finds it ready.
 The counters live in device buffers kept for the life of the process: a CUDA graph records their
 address, so they are never freed, even when a larger batch needs a larger buffer.
 
+A third fusion needs no counter: at batch 1 each add + RMSNorm of a layer goes into the prologue of
+the product after it (`normed_gemv.py`), every program computing the row's norm on its own.
+
 To measure each fusion alone (A/B on one GPU), switch it off with an environment variable read when
 the first step runs, or by `switch_fusions` in the same process:
 
     NANOSERVE_FUSE_OFF=argmax          the argmax takes its two kernels again (slices, then pick)
     NANOSERVE_FUSE_OFF=merge           the split attention launches its merge kernel again
-    NANOSERVE_FUSE_OFF=argmax,merge    both; `all` switches every one off
+    NANOSERVE_FUSE_OFF=norm            a batch-1 layer launches its two add_rmsnorm kernels again
+    NANOSERVE_FUSE_OFF=argmax,merge    two of them; `all` switches every one off
 
 `--no-fused-kernels` switches them all off too (with week 12's other fused kernels).
 """
@@ -27,7 +31,7 @@ import os
 
 import torch
 
-FUSIONS = ("argmax", "merge")
+FUSIONS = ("argmax", "merge", "norm")
 ENV_VAR = "NANOSERVE_FUSE_OFF"
 _off: set[str] | None = None  # None: not read from the environment yet
 
@@ -51,7 +55,7 @@ def fusion_on(name: str) -> bool:
 
 
 def switch_fusions(off: str | None) -> None:
-    """Switch fusions off for this process, as NANOSERVE_FUSE_OFF would ("argmax,merge", "all"; ""
+    """Switch fusions off for this process, as NANOSERVE_FUSE_OFF would ("argmax,merge", "norm", "all"; ""
     switches all on again); None reads the environment again. Takes effect at the next launch, so a
     CUDA graph captured before keeps what it captured: capture again to compare graphs."""
     global _off
