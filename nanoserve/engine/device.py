@@ -75,10 +75,10 @@ def build_device_side(c: EngineConfig, group=None) -> DeviceSide:
     # Week 12: CUDA graphs for decode steps and fused kernels (Triton backend; on by default on
     # CUDA, in a learner's workspace once week 12 is written, so no earlier week runs its stubs).
     # `cuda_graphs=True` on the CPU runs the same static buffers and padding without capturing
-    # anything: that is how the CPU tests check them.
+    # anything: that is how the CPU tests check them. Under a pipeline each stage captures its own
+    # layers (week 20: nanoserve/runner/stage_graphs.py).
     week12 = device.startswith("cuda") and 12 not in stubbed_weeks()
-    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12 and not pipeline) \
-        and attention_backend == "triton"
+    use_graphs = (c.cuda_graphs if c.cuda_graphs is not None else week12) and attention_backend == "triton"
     fused = c.fused_kernels if c.fused_kernels is not None else week12
     use_graphs = use_graphs and moe_graphs_allowed(c, model, fused)  # week 24
     # Week 24: steps that may be captured exchange fixed-capacity buffers (no size goes to the host); every

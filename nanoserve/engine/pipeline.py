@@ -47,9 +47,7 @@ def check_pipeline_config(c: EngineConfig, model_dir) -> None:
     if (c.pipeline_steps_in_flight or 1) > 1 and (c.batching != "continuous" or c.kv_role is not None):
         raise ValueError("pipeline_steps_in_flight > 1 splits continuously batched sequences into lanes: it needs "
                          "batching='continuous' and no kv_role (use pipeline_steps_in_flight=1)")
-    refused = [(c.cuda_graphs, "cuda_graphs=True: CUDA graphs are not captured under pipeline parallelism yet "
-                               "(leave it unset: the stages run eagerly)"),
-               (c.async_scheduling, "async scheduling does not work with pipeline parallelism (the stages "
+    refused = [(c.async_scheduling, "async scheduling does not work with pipeline parallelism (the stages "
                                     "would need the sampled tokens): leave it unset"),
                (c.speculative is not None, "speculative decoding is not combined with pipeline parallelism yet: "
                                            "use one of them")]

@@ -35,6 +35,10 @@ sequence or its number of blocks changed (once every `block_size` steps per sequ
 
 Without a GPU (`capture=False`), the same buffers feed an eager forward pass: the padding and
 the bookkeeping behave identically, which is how the CPU tests check them.
+
+Week 20: a pipeline stage captures its own layers over these same buffers, from its input (token
+ids, or the stream the stage before sent) to the stream it sends on: `StageGraphs`, in
+nanoserve/runner/stage_graphs.py, overrides `_forward` and nothing else of the capture.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ def feed_last_tokens(ids: torch.Tensor, source: torch.Tensor, last: torch.Tensor
     torch.where(source >= 0, taken, ids, out=ids)
 
 
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a decode graph is captured for: those of `CAPTURE_SIZES` up to `max_batch`."""
+    return [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
+
+
 def padded_size(n: int, sizes: tuple[int, ...] | list[int]) -> int:
     """The smallest captured batch size that holds n sequences."""
     # >>> week12: padded-size
@@ -78,7 +87,7 @@ class CUDAGraphDecoder:
                  verify_tokens: int = 0, verify_batch: int = 0, mixed_tokens: int = 0, lora: LoRAState | None = None):
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.context_class, self.fused = context_class, fused
-        self.sizes = [s for s in CAPTURE_SIZES if s <= max_batch] or [1]
+        self.sizes = capture_sizes(max_batch)
         device = model.embed_tokens.weight.device
         self.capture = device.type == "cuda" if capture is None else capture
         n = self.sizes[-1]
@@ -102,7 +111,7 @@ class CUDAGraphDecoder:
         self.host_compact = torch.empty(n * self.max_blocks, dtype=torch.int32, pin_memory=pin)
         self.row_owner: list[tuple | None] = [None] * (n + 1)  # which table each host row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # each decode graph's output: logits (a pipeline stage's: a stream)
         # Week 17: verification steps, q tokens per sequence.
         self.verify_sizes = [s for s in self.sizes if s <= verify_batch] if verify_tokens else []
         self.verify_q = list(range(2, verify_tokens + 2)) if self.verify_sizes else []
@@ -163,13 +172,19 @@ class CUDAGraphDecoder:
             self.lora_order[: len(order)].copy_(self.host_lora_order[: len(order)], non_blocking=True)
         self.copies_sent()
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        """The model's forward pass for `bs` decode rows, reading every input from the buffers."""
-        input_ids, positions, slots, context_lens = self.inputs[:4, :bs]
+    def _decode_context(self, bs: int) -> PagedContext:
+        """The attention context of `bs` decode rows (one token each), over the buffers."""
+        slots, context_lens = self.inputs[2:4, :bs]
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[: bs + 1],
                                       context_lens=context_lens, block_tables=self.block_tables[:bs],
                                       max_query_len=1, max_context_len=self.max_model_len)
-        hidden = self.model(input_ids, positions, self.context_class(self.cache, meta, fused=self.fused))
+        return self.context_class(self.cache, meta, fused=self.fused)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        """The model's forward pass for `bs` decode rows, reading every input from the buffers (what a
+        decode graph captures; a pipeline stage overrides it with its own layers, week 20)."""
+        input_ids, positions = self.inputs[:2, :bs]
+        hidden = self.model(input_ids, positions, self._decode_context(bs))
         return self.model.compute_logits(hidden)
 
     def _forward_verify(self, bs: int, q: int) -> torch.Tensor:
@@ -210,7 +225,7 @@ class CUDAGraphDecoder:
             if q == 0:
                 self.mixed_graphs[bs], self.mixed_logits[bs] = graph, logits
             elif q == 1:
-                self.graphs[bs], self.logits[bs] = graph, logits
+                self.graphs[bs], self.outputs[bs] = graph, logits
             else:
                 self.verify_graphs[bs, q], self.verify_logits[bs, q] = graph, logits
         torch.cuda.synchronize()
@@ -375,4 +390,4 @@ class CUDAGraphDecoder:
         if not self.capture:
             return self._forward(bs)[: step.num_seqs]
         self.graphs[bs].replay()
-        return self.logits[bs][: step.num_seqs]
+        return self.outputs[bs][: step.num_seqs]

@@ -39,6 +39,11 @@ and on stage 0 the rows the last stage just finished. Posted as one group, a sen
 between two neighbours cannot wait on each other (NCCL runs the operations of one pair of GPUs in
 order; two neighbours each sending first would deadlock on large tensors). On the CPU the same
 code runs over gloo.
+
+With `cuda_graphs` (the default on CUDA with the Triton backend, as with one GPU), a decode
+micro-batch replays the stage's own graph of its layers, padded to a captured size as week 12 pads
+a batch; the transfers stay outside the graphs, and only the real rows travel
+(nanoserve/runner/stage_graphs.py). Prefill and mixed micro-batches run eagerly.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch.distributed as dist
 
 from nanoserve.model.pipeline import final_hidden, stage_forward
 from nanoserve.runner.runner import ModelRunner
+from nanoserve.runner.stage_graphs import StageGraphs
 from nanoserve.runner.step import StepInput
 
 TIMING_TAG = 7  # the tag of each stage's busy time on its way to the driver (never mistaken for the rows)
@@ -229,8 +235,6 @@ class PipelineRunner(ModelRunner):
 
     def __init__(self, model, num_blocks: int, block_size: int, micro_batches: int | None = None,
                  cpu_group=None, **runner_args):
-        if runner_args.get("cuda_graphs"):
-            raise ValueError("CUDA graphs are not captured under pipeline parallelism yet: run the stages eagerly")
         super().__init__(model, num_blocks, block_size, **runner_args)
         self.stage = model.stage
         self.micro_batches = micro_batches or self.stage.num_stages  # default: P (the module's docstring)
@@ -324,8 +328,18 @@ class PipelineRunner(ModelRunner):
             sends += boundary.post()
         return returned, sends
 
+    def build_graphs(self, max_model_len: int, max_batch: int, **shapes) -> StageGraphs:
+        """This stage's decode graphs (nanoserve/runner/stage_graphs.py). `shapes` is not used: no
+        verification step comes (speculation is refused) and mixed steps run eagerly."""
+        return StageGraphs(self.model, self.cache, self.scratch_block, max_model_len, max_batch,
+                           self.context_class, fused=self.fused)
+
     def compute(self, part: MicroBatch, received: torch.Tensor | None) -> torch.Tensor:
-        """One micro-batch through this stage's layers: its stream out, [T_i, hidden]."""
+        """One micro-batch through this stage's layers: its stream out, [T_i, hidden]. A decode
+        micro-batch that fits a captured size replays this stage's graph; every stage decides the
+        same, from the same micro-batch."""
+        if self.graphs is not None and part.step.is_decode and self.graphs.fits(part.step.num_seqs):
+            return self.graphs.run_stage(part.step, received)
         input_ids, positions, ctx = self.prepare(part.step)
         return stage_forward(self.model, input_ids if received is None else received, positions, ctx)
 

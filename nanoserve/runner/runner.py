@@ -71,12 +71,17 @@ class ModelRunner:
                         v_scale=None if c.v_scale is None else c.v_scale[0], merge_in_kernel=self.fused)
         self.graphs = None
         if cuda_graphs:  # on the CPU: the same static buffers and padding, nothing captured
-            from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
+            self.graphs = self.build_graphs(max_model_len, max_batch, verify_tokens=verify_tokens,
+                                            verify_batch=verify_batch, mixed_tokens=mixed_tokens)
 
-            self.graphs = CUDAGraphDecoder(model, self.cache, self.scratch_block, max_model_len, max_batch,
-                                           self.context_class, fused=self.fused, verify_tokens=verify_tokens,
-                                           verify_batch=verify_batch, mixed_tokens=mixed_tokens,
-                                           lora=None if lora is None else lora.state)
+    def build_graphs(self, max_model_len: int, max_batch: int, **shapes):
+        """Week 12's graph runner over this runner's pool (`shapes`: week 17's verification and week 15's
+        mixed steps). A pipeline stage builds its own (week 20: `PipelineRunner.build_graphs`)."""
+        from nanoserve.runner.cuda_graphs import CUDAGraphDecoder
+
+        return CUDAGraphDecoder(self.model, self.cache, self.scratch_block, max_model_len, max_batch,
+                                self.context_class, fused=self.fused,
+                                lora=None if self.lora is None else self.lora.state, **shapes)
 
     @classmethod
     @torch.no_grad()

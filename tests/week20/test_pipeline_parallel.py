@@ -245,7 +245,6 @@ def test_a_stage_that_is_not_a_range_of_layers_is_refused(first, last):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(pipeline_parallel_size=2, cuda_graphs=True), "CUDA graphs are not captured under pipeline"),
     (dict(pipeline_parallel_size=2, async_scheduling=True), "async scheduling does not work with pipeline"),
     (dict(pipeline_parallel_size=2, speculative="ngram"), "speculative decoding is not combined with pipeline"),
     (dict(pipeline_parallel_size=2, pipeline_micro_batches=0), "pipeline_micro_batches must be at least 1"),
@@ -377,7 +376,7 @@ def test_pp2_on_two_gpus_equals_one_gpu():
     kw = dict(device="cuda", dtype=torch.float32, gpu_memory_utilization=0.3)
     prompts = ragged_prompts()
     expected = tokens(LLM("tiny", cuda_graphs=False, **kw), prompts)
-    with LLM("tiny", pipeline_parallel_size=2, **kw) as llm:
+    with LLM("tiny", pipeline_parallel_size=2, cuda_graphs=False, **kw) as llm:  # (graphs: test_stage_graphs.py)
         assert tokens(llm, prompts) == expected
         stats = llm.engine.pipeline_stats()
         assert stats["steps"] == llm.engine.num_steps and all(0 < b <= stats["wall_s"] for b in stats["busy_s"])
@@ -387,9 +386,12 @@ def test_pp2_on_two_gpus_equals_one_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs: run on a 4-GPU machine")
-def test_tp2_times_pp2_on_four_gpus_equals_one_gpu():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tp2_times_pp2_on_four_gpus_equals_one_gpu(graphs):
+    """Eager stages, then each stage's CUDA graphs (its all-reduces captured inside them)."""
     kw = dict(device="cuda", dtype=torch.float32, gpu_memory_utilization=0.3)
     prompts = ragged_prompts()
     expected = tokens(LLM("tiny", cuda_graphs=False, **kw), prompts)
-    with LLM("tiny", tensor_parallel_size=2, pipeline_parallel_size=2, **kw) as llm:
+    with LLM("tiny", tensor_parallel_size=2, pipeline_parallel_size=2, cuda_graphs=graphs, **kw) as llm:
+        assert (llm.engine.runner.graphs is not None) == graphs
         assert tokens(llm, prompts) == expected
