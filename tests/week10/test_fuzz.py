@@ -117,6 +117,7 @@ def test_every_endpoint_is_in_the_schema(operations):
                                "POST /v1/completions", "POST /v1/chat/completions"} | metrics, sorted(operations)
 
 
+@pytest.mark.slow
 def test_fuzz_no_5xx_and_openai_errors(server, operations):
     """FUZZ_CASES requests to the two generation endpoints, half fitting the schema and half
     breaking it, plus a few to each GET endpoint; then the server still answers and holds no KV."""

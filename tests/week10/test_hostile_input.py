@@ -241,6 +241,7 @@ def test_a_chunked_body_over_the_limit_is_a_413():
         assert fits.status_code == 200
 
 
+@pytest.mark.slow
 def test_a_body_that_stalls_is_a_408():
     import socket
     import time

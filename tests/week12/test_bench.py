@@ -16,6 +16,7 @@ from nanoserve.cli import main
 pytest.importorskip("httpx", reason="the serving benchmark's client needs httpx: pip install -e '.[dev]'")
 
 
+@pytest.mark.slow
 def test_bench_all_quick(tmp_path, capsys):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert main(["bench", "all", "--quick", "--device", device, "--out", str(tmp_path), "--port", "8479"]) == 0

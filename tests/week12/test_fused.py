@@ -125,6 +125,7 @@ def test_forward_with_fused_kernels_matches_the_model(tmp_path, past, new):
         assert torch.equal(new_pool.flatten(1, 2)[:, others], ref.flatten(1, 2)[:, others])
 
 
+@pytest.mark.slow
 def test_engine_decode_with_the_merge_in_the_attention_launch(tmp_path):
     """Issue 39 in the engine: decode steps through the CUDA-graph path's static buffers (nothing
     captured on the CPU), whose attention is sized for the longest context and so split; with the

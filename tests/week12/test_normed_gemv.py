@@ -197,6 +197,7 @@ def counting(hook, calls: list, x_arg: int):
     return wrapped
 
 
+@pytest.mark.slow
 def test_greedy_decode_with_the_norms_folded(tmp_path):
     """A tiny model (2 layers) decodes greedily through the engine with the fused kernels (Triton
     backend, interpreter) exactly as without them (float32). Every decode step's layers took the

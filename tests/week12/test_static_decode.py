@@ -92,6 +92,7 @@ def test_static_decode_matches_eager_and_hf(checkpoint):
         assert got == expected
 
 
+@pytest.mark.slow
 def test_static_decode_survives_preemption(checkpoint):
     """A pool too small for everyone: sequences are preempted, come back with new blocks (maybe
     into the same row, with a table of the same length), and still produce eager's tokens."""

@@ -52,6 +52,7 @@ def chat_ids(llm, messages):
     return llm.tokenizer.apply_chat_template(messages)
 
 
+@pytest.mark.slow
 def test_the_converted_config_is_smollm2s(llm):
     cfg = llm.engine.model.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
@@ -60,6 +61,7 @@ def test_the_converted_config_is_smollm2s(llm):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_logits_match_hf_reading_the_same_file(llm, hf_model):
     ids = chat_ids(llm, CHATS[2])
     expected = hf_model(torch.tensor([ids])).logits[0]
@@ -70,6 +72,7 @@ def test_logits_match_hf_reading_the_same_file(llm, hf_model):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_greedy_tokens_match_hf_reading_the_same_file(llm, hf_model):
     prompts = [chat_ids(llm, m) for m in CHATS]
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))

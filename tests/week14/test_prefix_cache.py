@@ -335,6 +335,7 @@ def test_under_preemption_and_eviction_in_a_tiny_pool(ckpt):
     assert llm.engine.prefix_cache_stats()["evictions"] > 0
 
 
+@pytest.mark.slow
 def test_with_the_triton_backend_over_cached_blocks(ckpt):
     """The suffix's queries attend to the cached prefix through the paged kernel (Triton's
     interpreter on the CPU), with the fused kernels on: the same tokens as HF."""

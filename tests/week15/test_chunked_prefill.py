@@ -210,6 +210,7 @@ def test_streams_get_a_token_every_step_while_a_long_prompt_prefills(ckpt):
     assert results[True] == results[False]
 
 
+@pytest.mark.slow
 def test_mixed_steps_on_the_triton_backend(ckpt):
     """Decodes and prompt chunks in one launch of the paged-attention kernel (interpreted on the
     CPU), with the fused kernels: the same tokens as HF."""

@@ -153,6 +153,7 @@ def test_bad_settings_are_refused():
         speculative("ngram", k=0)
 
 
+@pytest.mark.slow
 def test_verification_steps_replay_the_graph_path(reference, monkeypatch):
     """With CUDA graphs, a verification step whose sequences all run the same number of tokens
     goes through the static buffers (captured graphs on a GPU; on the CPU the same buffers and

@@ -172,6 +172,7 @@ def test_engine_greedy_equals_hf(family):
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.slow
 def test_triton_kernel_with_windows_equals_hf(name, tmp_path):
     """The paged-attention kernel (through Triton's interpreter on the CPU) with sliding windows,
     the fused kernels swapped in (Gemma's GELU MLP keeps its own code), mixed chunked steps."""

@@ -412,6 +412,7 @@ def gemma_hf(gemma):
 
 
 @pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
+@pytest.mark.slow
 def test_gemma3_270m_config(gemma):
     path, directory = gemma
     config = json.loads((directory / "config.json").read_text())
@@ -431,6 +432,7 @@ def test_gemma3_270m_config(gemma):
 
 
 @pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
+@pytest.mark.slow
 def test_gemma3_270m_tokenizer_equals_transformers(gemma):
     from transformers import AutoTokenizer
 
@@ -451,6 +453,7 @@ def test_gemma3_270m_tokenizer_equals_transformers(gemma):
 
 @pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 @torch.no_grad()
+@pytest.mark.slow
 def test_gemma3_270m_greedy_tokens_equal_transformers_reading_the_file(gemma, gemma_hf):
     from transformers import AutoTokenizer
 
@@ -471,6 +474,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_reading_the_file(gemma, ge
 
 @pytest.mark.xdist_group("large-models")  # one worker: the file converted and read once, never beside the 1B test
 @torch.no_grad()
+@pytest.mark.slow
 def test_gemma3_270m_through_nanoserve(gemma, gemma_hf):
     """`LLM("gemma3-270m")` (float32, CPU) gives HF's greedy tokens, on plain prompts and on a chat in
     Gemma's turn format; <end_of_turn> ends a chat. (The 270M is a base model: greedy, it does not

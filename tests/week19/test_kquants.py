@@ -200,6 +200,7 @@ def test_unsupported_type_names_every_supported_one():
 # ------------------------------------------------------------ a real Q4_K_M file
 
 
+@pytest.mark.slow
 def test_gemma3_270m_tensors_match_gguf():
     """Three tensors of a real Q4_K_M file, one of each type it mixes in, through the loader's path."""
     try:

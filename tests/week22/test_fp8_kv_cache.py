@@ -260,6 +260,7 @@ def generate(path, prompts, max_tokens=6, **options) -> tuple[list[list[int]], L
 PROMPTS = [torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
 
 
+@pytest.mark.slow
 def test_the_engine_with_the_kernels_and_static_buffers_gives_the_references_tokens(ckpt, fp8_on_the_cpu):
     """Triton's attention and fused write over the FP8 pool, decode steps from week 12's static buffers
     (captured on a GPU), against the PyTorch reference over the same pool: the same greedy tokens."""

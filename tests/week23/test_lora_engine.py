@@ -56,6 +56,7 @@ def test_a_batch_mixing_adapters_equals_each_request_alone(tiny, adapters, max_l
     assert [out.token_ids for out in batch] == alone(llm, requests)
 
 
+@pytest.mark.slow
 def test_the_triton_path_with_graph_buffers_equals_the_reference(tiny, adapters, llm):
     """The Triton backend with CUDA graphs' static buffers and padding (nothing captured on the
     CPU): the LoRA rows go through the graphs' fixed buffers into the kernels, run by the

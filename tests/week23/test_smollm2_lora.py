@@ -22,6 +22,7 @@ pytestmark = pytest.mark.xdist_group("smollm2")
 N = 8
 
 
+@pytest.mark.slow
 def test_smollm2_with_adapters_equals_hf_peft(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -308,7 +308,8 @@ def test_the_fixed_capacity_exchange_reads_no_value_and_its_sizes_follow_the_tok
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the graph path's buffers on the CPU go "
                     "through the Triton backend: TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
-@pytest.mark.parametrize("family,fused", [("qwen2_moe", False), pytest.param("mixtral", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family,fused", [pytest.param("qwen2_moe", False, marks=pytest.mark.slow),
+                                          pytest.param("mixtral", True, marks=pytest.mark.slow)])
 def test_gloo_ranks_on_the_graph_path_equal_one_and_hf(moe_checkpoints, moe_prompts, hf_greedy, family, fused):
     """cuda_graphs=True on the CPU: the graph path's static buffers and padding, no capture, and every
     MoE block on the fixed-capacity exchange; over two gloo ranks, HF's tokens (a lone sequence's

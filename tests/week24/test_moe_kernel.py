@@ -249,6 +249,7 @@ def test_an_id_past_the_last_expert_runs_nothing(align_kernel, k):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_engine_with_the_kernels_equals_hf(moe_checkpoints, moe_prompts, hf_greedy):
     """Mixtral through the Triton backend with the fused kernels swapped in (the expert kernels
     among them), chunked steps mixing prompts and decodes: HF's tokens."""
@@ -296,6 +297,7 @@ def test_the_benchmark_script_runs_on_a_tiny_block(capsys):
     assert "loop/fused" in out and "torch al." in out and "\n      8      16 " in out
 
 
+@pytest.mark.slow
 def test_the_benchmark_script_in_separate_processes(capsys, tmp_path):
     """`--processes 2`: two children, each measuring once; the medians with their ranges, as JSON too."""
     import json

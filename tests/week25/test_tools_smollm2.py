@@ -68,6 +68,7 @@ def test_hermes_renders_tools_calls_and_results(hermes):
     assert hermes.apply_chat_template(ASK) == plain.apply_chat_template(ASK)
 
 
+@pytest.mark.slow
 def test_a_forced_call_through_both_apis():
     import anthropic
     from openai import OpenAI
