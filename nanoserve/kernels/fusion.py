@@ -11,16 +11,27 @@ that captured this one, finds it ready.
 The counters live in device buffers kept for the life of the process: a CUDA graph records their
 address, so they are never freed, even when a larger batch needs a larger buffer.
 
-A third fusion needs no counter: at batch 1 each add + RMSNorm of a layer goes into the prologue of
-the product after it (`normed_gemv.py`), every program computing the row's norm on its own.
+Two more need no counter: at batch 1 each add + RMSNorm of a layer goes into the prologue of the
+product after it (`normed_gemv.py`), every program computing the row's norm on its own: the one
+before the qkv product (`qkv-norm`) and the one before gate_up·SiLU (`mlp-norm`).
 
-To measure each fusion alone (A/B on one GPU), switch it off with an environment variable read when
-the first step runs, or by `switch_fusions` in the same process:
+Which are on by default is decided by measurement, not by launch counts. On an H100 (docs/benchmarks.md,
+issue 39, 2026-11-27) two of them made the step slower than the kernels they replace: the merge in
+the attention's launch (9.7 µs a layer against 3.9 + 2.0) and the one-launch argmax (3.7 µs against
+two launches of about 3). Both norm fusions pay, the qkv one only once its blocks were tuned (7.2 µs
+a layer in the step against about 6 for cuBLAS's plus a 1.8 µs norm; untuned it took 12.5). `DEFAULT_OFF`
+switches the two losers off; they stay in the tree, tested, to measure again.
 
-    NANOSERVE_FUSE_OFF=argmax          the argmax takes its two kernels again (slices, then pick)
-    NANOSERVE_FUSE_OFF=merge           the split attention launches its merge kernel again
-    NANOSERVE_FUSE_OFF=norm            a batch-1 layer launches its two add_rmsnorm kernels again
-    NANOSERVE_FUSE_OFF=argmax,merge    two of them; `all` switches every one off
+To measure each fusion alone (A/B on one GPU), name the ones to switch off in an environment
+variable read when the first step runs, or by `switch_fusions` in the same process:
+
+    (unset)                            DEFAULT_OFF: argmax and merge off, both norms on
+    NANOSERVE_FUSE_OFF=                (set, empty) every fusion on
+    NANOSERVE_FUSE_OFF=argmax          the argmax takes its two kernels (slices, then pick)
+    NANOSERVE_FUSE_OFF=merge           the split attention launches its merge kernel
+    NANOSERVE_FUSE_OFF=qkv-norm        the qkv product is cuBLAS's, after an add_rmsnorm launch
+    NANOSERVE_FUSE_OFF=mlp-norm        gate_up·SiLU reads a row an add_rmsnorm launch wrote
+    NANOSERVE_FUSE_OFF=norm            both norms; `all` switches every one off; lists: argmax,merge
 
 `--no-fused-kernels` switches them all off too (with week 12's other fused kernels).
 """
@@ -31,32 +42,34 @@ import os
 
 import torch
 
-FUSIONS = ("argmax", "merge", "norm")
+FUSIONS = ("argmax", "merge", "qkv-norm", "mlp-norm")
+GROUPS = {"all": FUSIONS, "norm": ("qkv-norm", "mlp-norm")}  # names that stand for several
+DEFAULT_OFF = "argmax,merge"  # slower than what they replace on an H100 (the docstring's figures)
 ENV_VAR = "NANOSERVE_FUSE_OFF"
 _off: set[str] | None = None  # None: not read from the environment yet
 
 
 def _parse(value: str) -> set[str]:
     names = {n.strip() for n in value.split(",") if n.strip()}
-    if "all" in names:
-        return set(FUSIONS)
-    unknown = names - set(FUSIONS)
+    unknown = names - set(FUSIONS) - set(GROUPS)
     if unknown:
-        raise ValueError(f"{ENV_VAR}: unknown fusion(s) {sorted(unknown)}; known: {', '.join(FUSIONS)} or all")
-    return names
+        raise ValueError(f"{ENV_VAR}: unknown fusion(s) {sorted(unknown)}; known: {', '.join(FUSIONS)}, "
+                         f"or {' or '.join(GROUPS)}")
+    return {f for n in names for f in GROUPS.get(n, (n,))}
 
 
 def fusion_on(name: str) -> bool:
-    """Is the one-launch fusion `name` (one of FUSIONS) on? On unless NANOSERVE_FUSE_OFF names it."""
+    """Is the fusion `name` (one of FUSIONS) on? On unless NANOSERVE_FUSE_OFF names it (DEFAULT_OFF when
+    the variable is not set)."""
     global _off
     if _off is None:
-        _off = _parse(os.environ.get(ENV_VAR, ""))
+        _off = _parse(os.environ.get(ENV_VAR, DEFAULT_OFF))
     return name not in _off
 
 
 def switch_fusions(off: str | None) -> None:
     """Switch fusions off for this process, as NANOSERVE_FUSE_OFF would ("argmax,merge", "norm", "all"; ""
-    switches all on again); None reads the environment again. Takes effect at the next launch, so a
+    switches all on); None reads the environment again (DEFAULT_OFF where it is not set). Takes effect at the next launch, so a
     CUDA graph captured before keeps what it captured: capture again to compare graphs."""
     global _off
     _off = None if off is None else _parse(off)

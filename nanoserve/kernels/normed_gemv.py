@@ -24,8 +24,12 @@ other programs are still reading.
     qkv (normed by input_layernorm) -> attention (+ the K/V write) -> o_proj
         -> gate_up_silu (normed by post_attention_layernorm) -> down_proj
 
-two launches fewer than with `add_rmsnorm` before each product: 32 for a 16-layer model.
-NANOSERVE_FUSE_OFF=norm (`nanoserve/kernels/fusion.py`) gives the separate norms back.
+two launches fewer than with `add_rmsnorm` before each product: 32 for a 16-layer model. Each of
+the two is its own switch (`nanoserve/kernels/fusion.py`): `qkv-norm` and `mlp-norm`, both on by
+default. Measured on an H100, the normed qkv product pays only with its blocks tuned (four outputs a
+program, the whole row of 2,048 in one tile): it is a Triton GEMV standing in for cuBLAS's, and with
+the first blocks tried it lost more than the norm's launch saved. NANOSERVE_FUSE_OFF=norm gives both
+separate norms back.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def _gate_up_silu_kernel(X, R, NW, S, W, Y, stride_w, inter, k_dim, eps, NORMED:
 
 GATE_UP_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: the best of 8 tried on an H100 (docs/benchmarks.md),
 # for the plain form; the normed form runs with them too, untuned (its prologue reads the row twice more)
-NORMED_GEMV_BLOCKS = (8, 512, 4)  # BLOCK_N, BLOCK_K, warps for the normed qkv product: untuned, not measured yet
+NORMED_GEMV_BLOCKS = (4, 2048, 4)  # BLOCK_N, BLOCK_K, warps for the normed qkv product: the best of 60 on an H100 (scripts/bench_normed_gemv.py --sweep)
 
 
 def plain_product(proj: torch.nn.Module, bias_ok: bool = False) -> bool:
@@ -165,15 +169,17 @@ def normed_gate_up_silu(x: torch.Tensor, residual: torch.Tensor | None, norm: RM
     return _launch_gate_up(x, w, residual, norm)
 
 
-def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Module):
+def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Module,
+                config: tuple[int, int, int] | None = None):
     """`norm(x, residual)`, then `proj` of it (a plain product: weight [N, H], maybe a bias), in one
-    launch -> (y [1, N], x + residual in a fresh tensor; x itself when residual is None)."""
+    launch -> (y [1, N], x + residual in a fresh tensor; x itself when residual is None). `config`
+    overrides NORMED_GEMV_BLOCKS (the sweep of scripts/bench_normed_gemv.py)."""
     w, bias = proj.weight, getattr(proj, "bias", None)
     n_out, k_dim = w.shape
     y = x.new_empty(1, n_out)
     s = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
-    block_n, block_k, warps = NORMED_GEMV_BLOCKS
+    block_n, block_k, warps = config or NORMED_GEMV_BLOCKS
     _normed_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, r, norm.weight, s, w, w if bias is None else bias, y, w.stride(0), n_out, k_dim, norm.eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -190,8 +196,8 @@ def layer_fuses(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor 
     rows_ok = x.shape[0] == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous())
     modules_ok = (type(attn) is Attention and type(mlp) is MLP and type(layer.input_layernorm) is RMSNorm
                   and type(layer.post_attention_layernorm) is RMSNorm)
-    return (rows_ok and modules_ok and fusion_on("norm") and plain_product(attn.qkv_proj, bias_ok=True)
-            and plain_product(mlp.gate_up_proj))
+    return (rows_ok and modules_ok and (fusion_on("qkv-norm") or fusion_on("mlp-norm"))
+            and plain_product(attn.qkv_proj, bias_ok=True) and plain_product(mlp.gate_up_proj))
 
 
 def fused_decoder_layer(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -202,12 +208,19 @@ def fused_decoder_layer(layer: torch.nn.Module, x: torch.Tensor, residual: torch
     if not layer_fuses(layer, x, residual):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, residual = normed_gemv(x, residual, layer.input_layernorm, attn.qkv_proj)  # [1, q + 2 kv]
+    if fusion_on("qkv-norm"):
+        qkv, residual = normed_gemv(x, residual, layer.input_layernorm, attn.qkv_proj)  # [1, q + 2 kv]
+    else:  # the norm's own launch, then the projection (cuBLAS), as week 2's layer does
+        h, residual = layer.input_layernorm(x, residual) if residual is not None else (layer.input_layernorm(x), x)
+        qkv = attn.qkv_proj(h)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = q.view(1, attn.num_heads, attn.head_dim)
     k = k.view(1, attn.num_kv_heads, attn.head_dim)
     v = v.view(1, attn.num_kv_heads, attn.head_dim)
     out = ctx.attend(attn.layer_idx, q, k, v, cos, sin)  # [1, Hq, D]
     x = attn.o_proj(out.reshape(1, attn.q_size))
+    if not fusion_on("mlp-norm"):
+        h, residual = layer.post_attention_layernorm(x, residual)
+        return mlp(h), residual
     h, residual = normed_gate_up_silu(x, residual, layer.post_attention_layernorm, mlp.gate_up_proj.weight)
     return mlp.down_proj(h), residual

@@ -22,6 +22,14 @@ from nanoserve.testing import random_paged_step  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def every_fusion_on():
+    """Every fusion on for the tests here (the merge in the attention's launch is off by default: nanoserve/kernels/fusion.py says why)."""
+    fusion.switch_fusions("")
+    yield
+    fusion.switch_fusions(None)
+
+
 def check(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, num_splits=None, atol=2e-5,
           seed=0, merge_in_kernel=False):
     """seqs: (past, new) per sequence. The pool holds random K/V in shuffled, unordered blocks."""

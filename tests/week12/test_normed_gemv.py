@@ -24,6 +24,14 @@ from nanoserve.kernels.normed_gemv import (  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def every_fusion_on():
+    """Both norm fusions on for every test here, whatever NANOSERVE_FUSE_OFF says."""
+    fusion.switch_fusions("")
+    yield
+    fusion.switch_fusions(None)
+
+
 def close(a, b):  # float32: the same rounding points, only the order of a sum differs
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -39,12 +47,15 @@ def stream(hidden: int, g: torch.Generator, with_residual: bool):
     return x, (torch.randn(1, hidden, generator=g).to(DEVICE) if with_residual else None)
 
 
+@pytest.mark.parametrize("config", [None, (8, 512, 2)], ids=["tuned-blocks", "two-tiles"])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @torch.no_grad()
-def test_normed_gemv_is_the_norm_then_the_product(with_residual, bias):
-    """H = 600: two tiles of BLOCK_K = 512, the second partly masked; N = 37: not a multiple of BLOCK_N."""
-    assert NORMED_GEMV_BLOCKS[1] < 600 < 2 * NORMED_GEMV_BLOCKS[1] and 37 % NORMED_GEMV_BLOCKS[0]
+def test_normed_gemv_is_the_norm_then_the_product(with_residual, bias, config):
+    """H = 600, N = 37 (not a multiple of BLOCK_N): with the tuned blocks one tile of K, partly masked;
+    with BLOCK_K = 512 two tiles, the second partly masked."""
+    block_n, block_k, _ = config or NORMED_GEMV_BLOCKS
+    assert 37 % block_n and (600 < block_k if config is None else block_k < 600 < 2 * block_k)
     g = torch.Generator().manual_seed(1 + with_residual + 2 * bias)
     norm = random_norm(600, g)
     proj = torch.nn.Linear(600, 37, bias=bias).to(DEVICE)
@@ -53,7 +64,7 @@ def test_normed_gemv_is_the_norm_then_the_product(with_residual, bias):
         proj.bias.copy_(torch.randn(37, generator=g))
     x, residual = stream(600, g, with_residual)
     before = None if residual is None else residual.clone()
-    y, new_residual = normed_gemv(x, residual, norm, proj)
+    y, new_residual = normed_gemv(x, residual, norm, proj, config=config)
     if residual is None:  # the first layer: x is the whole stream, and stays the residual
         close(y, proj(norm(x)))
         assert new_residual is x
@@ -121,11 +132,14 @@ def layer_inputs(cfg: ModelConfig, g: torch.Generator, with_residual: bool, past
     return x, residual, cos, sin, PastContext(cfg, past, g)
 
 
+@pytest.mark.parametrize("off", ["", "qkv-norm", "mlp-norm"], ids=["both-norms", "mlp-norm-only", "qkv-norm-only"])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
 @torch.no_grad()
-def test_hook_is_the_layer(with_residual, bias):
-    """One row through the hook: the (x, residual) of the layer's own forward (float32)."""
+def test_hook_is_the_layer(with_residual, bias, off):
+    """One row through the hook: the (x, residual) of the layer's own forward (float32), with both
+    norms folded and with either one alone (the other runs its own launch)."""
+    fusion.switch_fusions(off)
     cfg = layer_config(attention_bias=bias)
     layer = random_layer(cfg)
     x, residual, cos, sin, ctx = layer_inputs(cfg, torch.Generator().manual_seed(7), with_residual)
@@ -171,7 +185,8 @@ def test_hook_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_FUSE_OFF", "norm")
     fusion.switch_fusions(None)
     try:
-        assert not fusion.fusion_on("norm") and fusion.fusion_on("argmax") and fusion.fusion_on("merge")
+        assert not fusion.fusion_on("qkv-norm") and not fusion.fusion_on("mlp-norm")
+        assert fusion.fusion_on("argmax") and fusion.fusion_on("merge")
         assert fused_decoder_layer(layer, x, residual, cos, sin, ctx) is None
         monkeypatch.delenv("NANOSERVE_FUSE_OFF")
         fusion.switch_fusions("all")
@@ -181,7 +196,8 @@ def test_hook_switched_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv("NANOSERVE_FUSE_OFF", raising=False)
         fusion.switch_fusions(None)
-    assert fusion.fusion_on("norm")
+    assert fusion.fusion_on("mlp-norm") and fusion.fusion_on("qkv-norm")  # unset: the measured default
+    assert fused_decoder_layer(layer, x, residual, cos, sin, ctx) is not None
 
 
 # --------------------------------------------------------------------------- a whole model, greedy

@@ -138,5 +138,8 @@ def test_on_a_gpu_the_fp8_gemv_runs_compiled_in_a_cuda_graph():
     for seed in range(3):
         x.copy_(torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)).bfloat16())
         graph.replay()
-        expected = x.float() @ (layer.weight_fp8.float() * layer.scales).t()
-        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+        # the kernel rounds each widened weight to bf16 (as the CPU test's reference explains), so the
+        # reference does too; then only the order of the float32 sums and the output's rounding differ
+        widened = (layer.weight_fp8.float() * layer.scales).bfloat16().float()
+        expected = x.float() @ widened.t()
+        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())

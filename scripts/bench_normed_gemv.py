@@ -1,0 +1,92 @@
+"""Issue 39: the normed qkv product (add + RMSNorm in the GEMV's prologue) against what it replaces.
+
+    python scripts/bench_normed_gemv.py [--shape 1b] [--sweep]      (a CUDA GPU and Triton)
+
+At batch 1 the norm before a layer's qkv product can run in the product's own launch
+(`nanoserve/kernels/normed_gemv.py`): one launch fewer, but the product is then a Triton GEMV and
+not cuBLAS's. This times both in CUDA graphs of 50 calls (the launch's cost as the engine pays
+it), bf16, for the qkv and gate_up shapes: `add_rmsnorm` + `F.linear` against `normed_gemv`, and
+`add_rmsnorm` + `gate_up_silu_row` against `normed_gate_up_silu`; with --sweep, every block
+configuration of the normed qkv product, the fastest first. Prints µs a call (median of the
+repeats) and the weights' bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels.fused import add_rmsnorm
+from nanoserve.kernels.normed_gemv import NORMED_GEMV_BLOCKS, gate_up_silu_row, normed_gate_up_silu, normed_gemv
+from nanoserve.model.layers import RMSNorm
+
+SHAPES = {"1b": (2048, 3072, 8192), "8b": (4096, 6144, 14336)}  # hidden, q + 2 kv, intermediate
+
+
+def graph_time(fn, calls: int, repeats: int) -> float:
+    """µs a call: `calls` calls captured in one CUDA graph, replayed `repeats` times, the median."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    hidden, qkv, inter = SHAPES[args.shape]
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, residual = (torch.randn(1, hidden, device=dev, dtype=dt, generator=g) for _ in range(2))
+    norm = RMSNorm(hidden, 1e-5).to(dev, dt)
+    proj = torch.nn.Linear(hidden, qkv, bias=False).to(dev, dt)
+    w_gate_up = torch.randn(2 * inter, hidden, device=dev, dtype=dt, generator=g) * 0.02
+    timed = lambda fn: graph_time(fn, args.calls, args.repeats)  # noqa: E731
+    gbps = lambda nbytes, us: nbytes / us / 1e3  # noqa: E731
+    qkv_bytes, gate_up_bytes = proj.weight.numel() * 2, w_gate_up.numel() * 2
+
+    plain_norm = timed(lambda: add_rmsnorm(x, residual, norm.weight, norm.eps))
+    plain_qkv = timed(lambda: F.linear(add_rmsnorm(x, residual, norm.weight, norm.eps)[0], proj.weight))
+    fused_qkv = timed(lambda: normed_gemv(x, residual, norm, proj))
+    plain_gu = timed(lambda: gate_up_silu_row(add_rmsnorm(x, residual, norm.weight, norm.eps)[0], w_gate_up))
+    fused_gu = timed(lambda: normed_gate_up_silu(x, residual, norm, w_gate_up))
+    print(f"shape {args.shape}: hidden {hidden}, qkv {qkv}, intermediate {inter}; µs a call in CUDA graphs")
+    print(f"  add_rmsnorm alone                         {plain_norm:7.2f}")
+    print(f"  add_rmsnorm + cuBLAS qkv                  {plain_qkv:7.2f}   ({gbps(qkv_bytes, plain_qkv):6.0f} GB/s of weights)")
+    print(f"  normed_gemv qkv {str(NORMED_GEMV_BLOCKS):14s}            {fused_qkv:7.2f}   ({gbps(qkv_bytes, fused_qkv):6.0f} GB/s)")
+    print(f"  add_rmsnorm + gate_up_silu_row            {plain_gu:7.2f}   ({gbps(gate_up_bytes, plain_gu):6.0f} GB/s)")
+    print(f"  normed_gate_up_silu                       {fused_gu:7.2f}   ({gbps(gate_up_bytes, fused_gu):6.0f} GB/s)")
+    if args.sweep:
+        rows = []
+        for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
+            if block_k > hidden:
+                continue
+            cfg = (block_n, block_k, warps)
+            rows.append((timed(lambda: normed_gemv(x, residual, norm, proj, config=cfg)), cfg))
+        rows.sort()
+        print("normed qkv, every configuration (BLOCK_N, BLOCK_K, warps), fastest first:")
+        for us, cfg in rows[:12]:
+            print(f"  {str(cfg):16s} {us:7.2f} µs   ({gbps(qkv_bytes, us):6.0f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
