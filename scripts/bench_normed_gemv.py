@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -24,26 +23,9 @@ from nanoserve.kernels.fused import add_rmsnorm
 from nanoserve.kernels.normed_gemv import NORMED_GEMV_BLOCKS, gate_up_silu_row, normed_gate_up_silu, normed_gemv
 from nanoserve.model.layers import RMSNorm
 
+from bench_quant_matmul import timed as graph_time  # (scripts/ is on the path when run as a script)
+
 SHAPES = {"1b": (2048, 3072, 8192), "8b": (4096, 6144, 14336)}  # hidden, q + 2 kv, intermediate
-
-
-def graph_time(fn, calls: int, repeats: int) -> float:
-    """µs a call: `calls` calls captured in one CUDA graph, replayed `repeats` times, the median."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
