@@ -103,6 +103,56 @@ def _normed_gemv_kernel(X, R, NW, S, W, B, Y, stride_w, n_out, k_dim, eps, HAS_R
 
 
 @triton.jit
+def _normed_qkv_rope_kernel(X, R, NW, S, W, B, Cos, Sin, Qout, K, V, Slot, stride_w, k_dim, eps,
+                            NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    # One row: the normed qkv product, then RoPE and the K/V write in the epilogue. RoPE mixes
+    # output d of a head with output d + HEAD_DIM/2, so a program takes BLOCK_P such *pairs*: it
+    # reads the two rows of W of each pair (each row contiguous along K) and holds both dot products
+    # when it rotates them. Pair j is (head j // HALF, offset j % HALF); q heads, then k, then v
+    # (which is not rotated), as the rows of W are laid out.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_pairs = pairs < (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HALF
+    head, d = pairs // HALF, pairs % HALF
+    lo = head * HEAD_DIM + d  # rows of W (and outputs of the product) of the pair's two halves
+    hi = lo + HALF
+    inv_rms = _row_inv_rms(X, R, S, k_dim, eps, HAS_RESIDUAL, BLOCK_K)
+    acc_lo = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        in_cols = cols < k_dim
+        h = _input_tile(X, R, NW, cols, in_cols, inv_rms, True, HAS_RESIDUAL)[None, :]
+        both = in_pairs[:, None] & in_cols[None, :]
+        acc_lo += tl.sum(tl.load(W + lo[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * h, 1)
+        acc_hi += tl.sum(tl.load(W + hi[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * h, 1)
+    if HAS_BIAS:
+        acc_lo += tl.load(B + lo, mask=in_pairs, other=0.0).to(tl.float32)
+        acc_hi += tl.load(B + hi, mask=in_pairs, other=0.0).to(tl.float32)
+    dt = Qout.dtype.element_ty
+    x1 = acc_lo.to(dt).to(tl.float32)  # rounded where the projection's output is
+    x2 = acc_hi.to(dt).to(tl.float32)
+    c = tl.load(Cos + d, mask=in_pairs, other=0.0).to(tl.float32)  # the tables' two halves are equal
+    sn = tl.load(Sin + d, mask=in_pairs, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rounded as `_rope_write_kv_kernel` rounds it
+    rot1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * sn).to(dt).to(tl.float32)).to(dt)
+    rot2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * sn).to(dt).to(tl.float32)).to(dt)
+    is_q = in_pairs & (head < NUM_Q_HEADS)
+    tl.store(Qout + lo, rot1, mask=is_q)
+    tl.store(Qout + hi, rot2, mask=is_q)
+    kv_head = tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS, head - NUM_Q_HEADS, head - NUM_Q_HEADS - NUM_KV_HEADS)
+    row = (tl.load(Slot).to(tl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM  # int64: slots * row width pass 2**31
+    is_k = in_pairs & (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
+    tl.store(K + row + d, rot1, mask=is_k)
+    tl.store(K + row + d + HALF, rot2, mask=is_k)
+    is_v = in_pairs & (head >= NUM_Q_HEADS + NUM_KV_HEADS)
+    tl.store(V + row + d, x1.to(dt), mask=is_v)
+    tl.store(V + row + d + HALF, x2.to(dt), mask=is_v)
+
+
+@triton.jit
 def _gate_up_silu_kernel(X, R, NW, S, W, Y, stride_w, inter, k_dim, eps, NORMED: tl.constexpr,
                          HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One row: each program reads BLOCK_N rows of the gate half of W and the matching rows
@@ -132,6 +182,7 @@ def _gate_up_silu_kernel(X, R, NW, S, W, Y, stride_w, inter, k_dim, eps, NORMED:
 
 GATE_UP_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: the best of 8 tried on an H100 (docs/benchmarks.md),
 # for the plain form; the normed form runs with them too, untuned (its prologue reads the row twice more)
+QKV_ROPE_BLOCKS = (2, 2048, 4)  # pairs a program (two rows of W each), BLOCK_K, warps: as NORMED_GEMV_BLOCKS' 4 rows; untuned
 NORMED_GEMV_BLOCKS = (4, 2048, 4)  # BLOCK_N, BLOCK_K, warps for the normed qkv product: the best of 60 on an H100 (scripts/bench_normed_gemv.py --sweep)
 
 
@@ -187,6 +238,37 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, p
     return y, s
 
 
+def normed_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, attn: torch.nn.Module,
+                    cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    slot: torch.Tensor, config: tuple[int, int, int] | None = None):
+    """`norm(x, residual)`, the qkv product of `attn` (a plain one, maybe with a bias), RoPE of q and k
+    and the K/V write at `slot` [1] of one layer's pool (k_pool, v_pool [blocks, block_size, Hkv, D],
+    contiguous), in one launch -> (rotated q [1, Hq, D], x + residual as `normed_gemv` returns it).
+    What `normed_gemv` followed by `PagedContext.write` (week 12's `rope_write_kv`) computes.
+    `config` is (pairs a program, BLOCK_K, warps); QKV_ROPE_BLOCKS by default."""
+    w, bias = attn.qkv_proj.weight, getattr(attn.qkv_proj, "bias", None)
+    k_dim = w.shape[1]
+    q_out = x.new_empty(1, attn.num_heads, attn.head_dim)
+    s = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
+    block_p, block_k, warps = config or QKV_ROPE_BLOCKS
+    num_pairs = w.shape[0] // 2
+    _normed_qkv_rope_kernel[(triton.cdiv(num_pairs, block_p),)](
+        x, r, norm.weight, s, w, w if bias is None else bias, cos, sin, q_out, k_pool, v_pool, slot,
+        w.stride(0), k_dim, norm.eps, NUM_Q_HEADS=attn.num_heads, NUM_KV_HEADS=attn.num_kv_heads,
+        HEAD_DIM=attn.head_dim, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps)
+    return q_out, s
+
+
+def writes_with_the_product(ctx) -> bool:
+    """Can the qkv product write this step's K/V itself? Only where week 12's `rope_write_kv` would
+    (a paged context with the fused kernels: `PagedContext.rope_write_kv` set), into a pool of the
+    model's dtype (not issue 33's FP8 one, which has scales), at one slot."""
+    return (fusion_on("qkv-rope") and getattr(ctx, "rope_write_kv", None) is not None
+            and ctx.cache.k_scale is None and ctx.meta.slot_mapping.numel() == 1)
+
+
 def layer_fuses(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """Does `fused_decoder_layer` take this layer and this input? One row, the fusion on, week 2's
     own attention (not the families': q/k norms and windows) and SiLU MLP, week 1's norms, plain
@@ -208,16 +290,22 @@ def fused_decoder_layer(layer: torch.nn.Module, x: torch.Tensor, residual: torch
     if not layer_fuses(layer, x, residual):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if fusion_on("qkv-norm"):
-        qkv, residual = normed_gemv(x, residual, layer.input_layernorm, attn.qkv_proj)  # [1, q + 2 kv]
-    else:  # the norm's own launch, then the projection (cuBLAS), as week 2's layer does
-        h, residual = layer.input_layernorm(x, residual) if residual is not None else (layer.input_layernorm(x), x)
-        qkv = attn.qkv_proj(h)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.view(1, attn.num_heads, attn.head_dim)
-    k = k.view(1, attn.num_kv_heads, attn.head_dim)
-    v = v.view(1, attn.num_kv_heads, attn.head_dim)
-    out = ctx.attend(attn.layer_idx, q, k, v, cos, sin)  # [1, Hq, D]
+    if fusion_on("qkv-norm") and writes_with_the_product(ctx):  # norm, qkv, RoPE, K/V write: one launch
+        cache, i = ctx.cache, attn.layer_idx
+        q, residual = normed_qkv_rope(x, residual, layer.input_layernorm, attn, cos, sin, cache.k[i], cache.v[i],
+                                      ctx.meta.slot_mapping)
+        out = ctx.read(i, q)  # [1, Hq, D]
+    else:
+        if fusion_on("qkv-norm"):
+            qkv, residual = normed_gemv(x, residual, layer.input_layernorm, attn.qkv_proj)  # [1, q + 2 kv]
+        else:  # the norm's own launch, then the projection (cuBLAS), as week 2's layer does
+            h, residual = layer.input_layernorm(x, residual) if residual is not None else (layer.input_layernorm(x), x)
+            qkv = attn.qkv_proj(h)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(1, attn.num_heads, attn.head_dim)
+        k = k.view(1, attn.num_kv_heads, attn.head_dim)
+        v = v.view(1, attn.num_kv_heads, attn.head_dim)
+        out = ctx.attend(attn.layer_idx, q, k, v, cos, sin)  # [1, Hq, D]
     x = attn.o_proj(out.reshape(1, attn.q_size))
     if not fusion_on("mlp-norm"):
         h, residual = layer.post_attention_layernorm(x, residual)

@@ -19,7 +19,7 @@ from nanoserve.testing import make_checkpoint, tiny_config
 pytest.importorskip("triton", reason="week 12's kernels need the triton package: pip install triton (Linux)")
 from nanoserve.kernels import fusion  # noqa: E402
 from nanoserve.kernels.normed_gemv import (  # noqa: E402
-    NORMED_GEMV_BLOCKS, fused_decoder_layer, gate_up_silu_row, normed_gate_up_silu, normed_gemv)
+    NORMED_GEMV_BLOCKS, fused_decoder_layer, gate_up_silu_row, normed_gate_up_silu, normed_gemv, normed_qkv_rope)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -152,6 +152,78 @@ def test_hook_is_the_layer(with_residual, bias, off):
     close(layer(x, residual, cos, sin, ctx)[0], expected[0])
 
 
+def paged_context(cfg: ModelConfig, past: int, g: torch.Generator, slot: int, dtype=torch.float32):
+    """Week 12's real paged context (Triton read, fused write) for one sequence of `past` cached tokens
+    in blocks of 4, random, and one new token at `slot` (the next free one)."""
+    from nanoserve.attention.paged import PagedAttentionMetadata, PagedKVCache
+    from nanoserve.attention.triton import TritonPagedContext
+
+    cache = PagedKVCache(1, 4, 4, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=DEVICE)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    blocks = [2, 0, 3]  # not in order: the table decides
+    meta = PagedAttentionMetadata.build([blocks[slot // 4] * 4 + slot % 4], [0, 1], [past + 1], [blocks], DEVICE)
+    return TritonPagedContext(cache, meta, fused=True)
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
+@torch.no_grad()
+def test_normed_qkv_rope_is_the_product_then_the_write(with_residual, bias):
+    """One launch: the normed qkv product, RoPE of q and k (pairs d, d + D/2 of a head) and the K/V
+    write at the step's slot give what `normed_gemv` then week 12's `rope_write_kv` give: the
+    rotated q, the same pool (every other slot untouched) and the same new residual. Six query heads
+    and two KV heads of 8 dims: 40 pairs. The default blocks (two pairs a program, K in one tile),
+    then 16 pairs a program (each program across heads, the last one ragged) and K in two tiles."""
+    from nanoserve.kernels.fused import rope_write_kv
+
+    cfg = layer_config(attention_bias=bias, num_heads=6)
+    g = torch.Generator().manual_seed(11 + with_residual + 2 * bias)
+    attn, norm = random_layer(cfg).self_attn, random_norm(cfg.hidden_size, g)
+    x, residual = stream(cfg.hidden_size, g, with_residual)
+    cos, sin = RotaryEmbedding(cfg)(torch.tensor([6], device=DEVICE), torch.float32)
+    for config in (None, (16, 64, 2)):
+        plain, fused = paged_context(cfg, 6, g, 6), paged_context(cfg, 6, g, 6)
+        fused.cache.k.copy_(plain.cache.k)
+        fused.cache.v.copy_(plain.cache.v)
+        qkv, expected_sum = normed_gemv(x, residual, norm, attn.qkv_proj)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        expected_q = rope_write_kv(q.view(1, -1, cfg.head_dim), k.view(1, -1, cfg.head_dim), v.view(1, -1, cfg.head_dim),
+                                   cos, sin, plain.cache.k[0], plain.cache.v[0], plain.meta.slot_mapping)
+        got_q, got_sum = normed_qkv_rope(x, residual, norm, attn, cos, sin, fused.cache.k[0], fused.cache.v[0],
+                                         fused.meta.slot_mapping, config=config)
+        close(got_q, expected_q)
+        close(fused.cache.k, plain.cache.k)
+        close(fused.cache.v, plain.cache.v)
+        assert torch.equal(got_sum, expected_sum)
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@torch.no_grad()
+def test_hook_writes_the_cache_from_the_product(with_residual):
+    """Through the hook on week 12's real paged context: with `qkv-rope` the layer's (x, residual)
+    and the pool are those of the hook without it (RoPE and the write in their own kernel); on a
+    context without the fused write (a test's, or an FP8 pool) it leaves the write to the context."""
+    cfg = layer_config()
+    layer = random_layer(cfg)
+    g = torch.Generator().manual_seed(12)
+    x, residual = stream(cfg.hidden_size, g, with_residual)
+    cos, sin = RotaryEmbedding(cfg)(torch.tensor([9], device=DEVICE), torch.float32)
+    plain, fused = paged_context(cfg, 9, g, 9), paged_context(cfg, 9, g, 9)
+    fused.cache.k.copy_(plain.cache.k)
+    fused.cache.v.copy_(plain.cache.v)
+    before = fused.cache.k.clone()
+    fusion.switch_fusions("qkv-rope")
+    expected = fused_decoder_layer(layer, x, residual, cos, sin, plain)
+    fusion.switch_fusions("")
+    got = fused_decoder_layer(layer, x, residual, cos, sin, fused)
+    for a, b in zip(got, expected):
+        close(a, b)
+    assert not torch.equal(fused.cache.k, before)  # the new token's K was written, by the product's launch
+    close(fused.cache.k, plain.cache.k)
+    close(fused.cache.v, plain.cache.v)
+
+
 class WrappedLinear(torch.nn.Linear):
     """Stands for a LoRA or quantized projection: a product with more in it than x·Wᵀ."""
 
@@ -275,3 +347,42 @@ def test_fused_layer_in_a_cuda_graph_bf16():
         torch.testing.assert_close(new_residual.float(), expected_residual.float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert (out.float() - expected.float()).norm() < 1e-2 * expected.float().norm()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_qkv_rope_in_a_cuda_graph_bf16():
+    """Llama-3.2-1B's attention shape in bf16, compiled: the hook with RoPE and the K/V write in the
+    qkv product's launch, captured in a CUDA graph on week 12's paged context and replayed on new
+    inputs, gives the layer and the pool the hook gives with them in their own kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run on a GPU machine (see README, GPU track)")
+    cfg = layer_config(hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64)
+    layer = random_layer(cfg).to(torch.bfloat16)
+    for name, p in layer.named_parameters():
+        if not name.endswith("norm.weight"):
+            p.mul_(0.02 / 0.15)
+    g = torch.Generator().manual_seed(13)
+    plain, fused = (paged_context(cfg, 9, g, 9, torch.bfloat16) for _ in range(2))
+    fused.cache.k.copy_(plain.cache.k)  # one past for both
+    fused.cache.v.copy_(plain.cache.v)
+    cos, sin = RotaryEmbedding(cfg)(torch.tensor([9], device="cuda"), torch.bfloat16)
+    x = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
+    residual = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
+    fusion.switch_fusions("")
+    assert fused_decoder_layer(layer, x, residual, cos, sin, fused) is not None  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_residual = fused_decoder_layer(layer, x, residual, cos, sin, fused)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
+        residual.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
+        graph.replay()
+        fusion.switch_fusions("qkv-rope")
+        expected, expected_residual = fused_decoder_layer(layer, x, residual, cos, sin, plain)
+        fusion.switch_fusions("")
+        torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fused.cache.k.float(), plain.cache.k.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fused.cache.v.float(), plain.cache.v.float(), rtol=2e-2, atol=2e-2)
