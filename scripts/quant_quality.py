@@ -6,7 +6,10 @@ distributions, against the unquantized model, over the same text.
 For every position of the text: the top-1 token of each scheme against the reference's (agreement),
 and KL(reference || scheme) of the two next-token distributions, averaged. On the CPU in float32
 (the reference is the model as `nanoserve` loads it; for a GGUF file, week 13's widened weights).
-fp8 needs a GPU with FP8 tensor cores and is skipped elsewhere.
+fp8 runs as the prompt runs, W8A8 (`Fp8Linear.scaled_product`: the activations cut to e4m3 per
+row too), on the CPU through PyTorch's own `_scaled_mm`, whose output is bfloat16: so its row
+carries bf16 rounding of every projection's output besides the FP8 error. (At decode, up to four
+rows, a GPU runs the weight-only `fp8_gemv` instead: the activations stay as they are.)
 
 The last rows keep the weights as loaded and store the KV cache instead (`--kv-cache-dtype`): the text
 runs as one prompt over a paged pool, so every position attends over K/V read back from the pool,
@@ -76,8 +79,8 @@ def main() -> None:
                ("int4, G = 32", "int4", 32)]
     if gguf_source(args.model) is not None:
         schemes.append(("gguf (the file's blocks)", "gguf", None))
-    if args.device.startswith("cuda") and torch.cuda.get_device_capability() >= (8, 9):
-        schemes.append(("fp8", "fp8", None))
+    if not args.device.startswith("cuda") or torch.cuda.get_device_capability() >= (8, 9):
+        schemes.append(("fp8 (W8A8, bf16 output)", "fp8", None))
     if args.kv_only:
         schemes = []
     print(f"{args.model}, {len(ids)} tokens of {args.text}, {dtype}, reference: the model as loaded")
