@@ -4,8 +4,8 @@ For every week N that has exercises and tests: the week's tests must FAIL on a w
 stubbed from week N (a week whose tests pass on its own stubs checks nothing), and must PASS
 on a workspace stubbed from week N + 1 (they need nothing from later weeks). Stubbing only ever
 removes code, so passing with weeks N+1.. stubbed implies passing with any later start week.
-Both checks share one workspace: on the one stubbed from week N, tests/weekNN must fail and
-tests/week(N-1) must pass.
+Both checks share one workspace and one inner pytest run: on the one stubbed from week N,
+tests/week(N-1) must pass, then tests/weekNN must fail.
 
 The budget. This file is the slowest of the suite: it runs every week's fast tests once more,
 each on its own generated workspace, in a fresh interpreter. Measured with `--durations=0` on a
@@ -158,7 +158,7 @@ def test_answers_follow_their_exercise_when_the_layout_changes(tmp_path, capsys)
         else:  # week 2's other exercises: solved from the reference, as `start --week 3` does
             assert body == course.peek(ex.key).splitlines(keepends=True)[1:], ex.key
     # ... and the carried answers still pass their week's tests.
-    result = checking.run_week_tests(1, ws)
+    result = checking.run_week_tests(1, ws, extra=unused_plugins(["tests/week01"]))
     assert result.returncode == 0, result.output[-3000:]
 
 
@@ -218,6 +218,88 @@ def say(request):
 
 WEEKS = [w for w in TEST_WEEKS if w in EXERCISE_WEEKS]
 
+# Pytest plugins installed with the dev extras, which every pytest process loads through their entry
+# points, and the word a test must contain to use one: a plugin only adds fixtures, markers and options,
+# which a test names. Loading them is a good part of an inner run's start-up: on the 2-core machine
+# `pytest --collect-only tests/week07` took 5.9 s with them, 3.9 s without schemathesis and anyio
+# (schemathesis imports hypothesis, graphql, requests, ...) and 3.2 s without hypothesis's as well, and
+# this file starts an inner run a week. Each inner run leaves out those that no file of its tests'
+# folders names (`-p no:NAME`): tests/week10/test_fuzz.py still gets schemathesis, and the weeks with
+# property-based tests hypothesis's plugin.
+PLUGINS = {"schemathesis": "schemathesis", "hypothesispytest": "hypothesis", "anyio": "anyio"}
+
+
+def unused_plugins(targets: list[str]) -> list[str]:
+    """`-p no:NAME` for each plugin of PLUGINS that no Python file of the targets' folders (and no conftest.py
+    above them) names."""
+    folders = {(REPO / target.split("::")[0]) for target in targets}
+    folders = {f if f.is_dir() else f.parent for f in folders}
+    files = {path for folder in folders for path in folder.rglob("*.py")}
+    files |= {c for folder in folders for c in (folder / "conftest.py", *(p / "conftest.py" for p in folder.parents))
+              if c.is_file()}
+    text = "".join(path.read_text() for path in sorted(files))
+    return [opt for name, word in PLUGINS.items() if word not in text for opt in ("-p", f"no:{name}")]
+
+
+# One inner run a week: a second pytest process would pay the start-up again (the interpreter, torch, the
+# conftests: 4 to 7 s on the 2-core machine, two thirds of a run of week 7's marked tests). The earlier week's
+# tests run first, then the week's own, with -x for these alone: this plugin, which the inner run loads
+# with `-p` from a folder put on its PYTHONPATH. pytest's own -x would also count a module of the week that
+# fails to import (week 3's test_sampling.py builds SamplingParams, a stub, as it is imported), and stop at
+# collection, before the earlier week's tests ran; and so would naming the marked tests by node id (a node
+# id in a module that did not import is a usage error): the run is given their files, the plugin keeps
+# the marked tests of them.
+STOP_AT_THE_WEEKS_FIRST_FAILURE = """
+import json
+
+import pytest
+
+FOLDER = {folder!r}  # the week's tests: run last, and the first of them to fail (or not import) ends the run
+MARKED = {marked!r}  # the ones of its tests to run (the run is given their files)
+state = dict(session=None, not_imported=None, earlier=[], finished=set())
+
+
+def pytest_sessionstart(session):
+    state["session"] = session
+
+
+def marked(nodeid):  # as pytest selects by node id: a test with its parametrizations, a class, a module
+    return any(nodeid == m or nodeid.startswith((m + "::", m + "[")) for m in MARKED)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.startswith(FOLDER) and not marked(i.nodeid)])
+    items[:] = [i for i in items if not i.nodeid.startswith(FOLDER) or marked(i.nodeid)]
+    items.sort(key=lambda item: item.nodeid.startswith(FOLDER))  # stable: the earlier week's in their order
+    state["earlier"] = [item.nodeid for item in items if not item.nodeid.startswith(FOLDER)]
+
+
+def pytest_collectreport(report):
+    if report.failed and report.nodeid.startswith(FOLDER) and state["not_imported"] is None:
+        state["not_imported"] = report.nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.nodeid.startswith(FOLDER) and state["not_imported"] is not None:
+        item.session.shouldfail = "stopping: " + state["not_imported"] + " failed to import"
+        return True  # run no test of the week: one of its modules failed already
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and report.nodeid.startswith(FOLDER):
+        state["session"].shouldfail = "stopping after the first failure in " + FOLDER
+    if report.when == "teardown":
+        state["finished"].add(report.nodeid)
+
+
+def pytest_sessionfinish(session):  # did every test of the earlier week run to its end? (pytest.exit would stop them)
+    unfinished = [n for n in state["earlier"] if n not in state["finished"]]
+    with open({tally!r}, "w") as f:
+        json.dump(dict(earlier=len(state["earlier"]), unfinished=unfinished), f)
+"""
+
 
 # Under pytest-xdist, on the worker of the large models (tests/week02/test_full_shape.py, Gemma 3 270M),
 # one after another: an inner run held up to 14 GB (week 12's `bench all --quick`, whose HuggingFace
@@ -225,30 +307,47 @@ WEEKS = [w for w in TEST_WEEKS if w in EXERCISE_WEEKS]
 # run peaks under 1 GB), and beside the 1B test the two did not fit a 24 GiB machine.
 @pytest.mark.xdist_group("large-models")
 @pytest.mark.parametrize("week", WEEKS)
-def test_week_tests_catch_their_own_stubs(week, tmp_path, say):
-    """On a workspace stubbed from week N: week N's tests fail (else they check nothing), and the
-    tests of the week before pass (they need nothing from week N on). Of week N's tests, those
-    marked with its exercises run (`exercise_map`), with -x: a stub fails them at once, where a
-    test that no stub reaches could run for minutes first. (Two runs: a stub that fails a test
-    module's import would stop a shared run before the earlier week's tests.)"""
+def test_week_tests_catch_their_own_stubs(week, tmp_path, say, monkeypatch):
+    """On a workspace stubbed from week N: the tests of the week before pass (they need nothing from
+    week N on), and week N's tests fail (else they check nothing). Of week N's tests, those marked with
+    its exercises run (`exercise_map`), after the earlier week's, in the same run, with -x for them
+    alone (STOP_AT_THE_WEEKS_FIRST_FAILURE): a stub fails them at once, where a test that no stub
+    reaches could run for minutes first. The earlier week's tests run first because they are the ones
+    known to leave nothing behind (the outer run runs every test in one process), where a week's test
+    that a stub stopped halfway may."""
     started = time.perf_counter()
     ws = tmp_path / "ws"
     course.make_workspace(week, ws, keep_learner_work=False)
+    before = [w for w in WEEKS if w < week][-1:]
+    mine = [t.nodeid for t in exercise_map.marked_tests() if t.week == week and t.fast]
+    targets = [f"tests/week{w:02d}" for w in before] + sorted({node.split("::")[0] for node in mine})
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    folder = f"tests/week{week:02d}/"
+    tally = tmp_path / "tally.json"
+    (plugin / "stop_at_the_weeks_first_failure.py").write_text(
+        STOP_AT_THE_WEEKS_FIRST_FAILURE.format(folder=folder, marked=mine, tally=str(tally)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in [str(plugin), os.environ.get("PYTHONPATH")] if p))
 
     def echo(progress: str) -> None:  # the inner run's dots, as they come
         say(progress, end="")
-    say(f"\n  [course] week {week}, on a workspace stubbed from week {week}: tests/week{week:02d} must fail: ", end="")
-    mine = [t.nodeid for t in exercise_map.marked_tests() if t.week == week and t.fast]
-    failing = checking.run_tests(mine, ws, extra=["-x"], echo=echo)
+    say(f"\n  [course] week {week}, on a workspace stubbed from week {week}: "
+        + "".join(f"tests/week{w:02d} must pass, then " for w in before) + f"tests/week{week:02d} must fail: ", end="")
+    run = checking.run_tests(targets, ws, extra=["-p", "stop_at_the_weeks_first_failure", *unused_plugins(targets)],
+                             echo=echo)
+    summary = run.output[run.output.rfind("short test summary info"):]  # not the tests' own output
+    verdicts = [(m[1], m[2]) for m in map(checking.SUMMARY.match, summary.splitlines()) if m]
     # (Server tests see a stub only as a dropped connection, so the output need not name it.)
-    assert failing.returncode != 0 and any(o != "PASSED" for o in failing.outcomes.values()), (
+    assert run.returncode != 0 and any(v != "PASSED" for v, node in verdicts if node.startswith(folder)), (
         f"tests/week{week:02d} pass on a workspace where week {week} is only stubs: they check nothing\n"
-        + failing.output[-2000:])
-    before = [w for w in WEEKS if w < week][-1:]
+        + run.output[-2000:])
     for w in before:
-        say(f", tests/week{w:02d} must pass: ", end="")
-        passing = checking.run_week_tests(w, ws, echo=echo)
-        assert passing.returncode == 0, f"tests/week{w:02d} need code from week {week}:\n" + passing.output[-3000:]
+        theirs = [(v, node) for v, node in verdicts if node.startswith(f"tests/week{w:02d}/")]
+        assert theirs and all(v == "PASSED" for v, _ in theirs), (
+            f"tests/week{w:02d} need code from week {week}:\n" + run.output[-3000:])
+        ran = json.loads(tally.read_text())
+        assert ran["earlier"] and not ran["unfinished"], (
+            f"tests/week{w:02d} did not all run: {ran}\n" + run.output[-3000:])
     say(f"  ({time.perf_counter() - started:.0f} s)")
 
 
