@@ -83,6 +83,23 @@ def _input_tile(X, R, NW, cols, mask, inv_rms, NORMED: tl.constexpr, HAS_RESIDUA
 
 
 @triton.jit
+def _two_products(X, R, NW, W, rows_a, rows_b, in_rows, stride_w, k_dim, inv_rms, NORMED: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pass 2 for a program that needs two rows of W per output (gate and up; a RoPE pair): the dot
+    products of rows `rows_a` and `rows_b` with the input row, in float32, the input tile read once."""
+    acc_a = tl.zeros(rows_a.shape, dtype=tl.float32)
+    acc_b = tl.zeros(rows_a.shape, dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        in_cols = cols < k_dim
+        x = _input_tile(X, R, NW, cols, in_cols, inv_rms, NORMED, HAS_RESIDUAL)[None, :]
+        both = in_rows[:, None] & in_cols[None, :]
+        acc_a += tl.sum(tl.load(W + rows_a[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * x, 1)
+        acc_b += tl.sum(tl.load(W + rows_b[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * x, 1)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _normed_gemv_kernel(X, R, NW, S, W, B, Y, stride_w, n_out, k_dim, eps, HAS_RESIDUAL: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One row: y = rmsnorm(x + residual) · Wᵀ (+ b), BLOCK_N outputs per program.
@@ -119,15 +136,8 @@ def _normed_qkv_rope_kernel(X, R, NW, S, W, B, Cos, Sin, Qout, K, V, Slot, strid
     lo = head * HEAD_DIM + d  # rows of W (and outputs of the product) of the pair's two halves
     hi = lo + HALF
     inv_rms = _row_inv_rms(X, R, S, k_dim, eps, HAS_RESIDUAL, BLOCK_K)
-    acc_lo = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        in_cols = cols < k_dim
-        h = _input_tile(X, R, NW, cols, in_cols, inv_rms, True, HAS_RESIDUAL)[None, :]
-        both = in_pairs[:, None] & in_cols[None, :]
-        acc_lo += tl.sum(tl.load(W + lo[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * h, 1)
-        acc_hi += tl.sum(tl.load(W + hi[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * h, 1)
+    acc_lo, acc_hi = _two_products(X, R, NW, W, lo, hi, in_pairs, stride_w, k_dim, inv_rms, True, HAS_RESIDUAL,
+                                   BLOCK_K)
     if HAS_BIAS:
         acc_lo += tl.load(B + lo, mask=in_pairs, other=0.0).to(tl.float32)
         acc_hi += tl.load(B + hi, mask=in_pairs, other=0.0).to(tl.float32)
@@ -163,17 +173,8 @@ def _gate_up_silu_kernel(X, R, NW, S, W, Y, stride_w, inter, k_dim, eps, NORMED:
     inv_rms = 1.0
     if NORMED:
         inv_rms = _row_inv_rms(X, R, S, k_dim, eps, HAS_RESIDUAL, BLOCK_K)
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        in_cols = cols < k_dim
-        x = _input_tile(X, R, NW, cols, in_cols, inv_rms, NORMED, HAS_RESIDUAL)[None, :]
-        both = in_rows[:, None] & in_cols[None, :]
-        wg = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32)
-        wu = tl.load(W + (rows[:, None] + inter) * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32)
-        gate += tl.sum(wg * x, axis=1)
-        up += tl.sum(wu * x, axis=1)
+    gate, up = _two_products(X, R, NW, W, rows, rows + inter, in_rows, stride_w, k_dim, inv_rms, NORMED,
+                             HAS_RESIDUAL, BLOCK_K)
     dt = Y.dtype.element_ty
     g = gate.to(dt).to(tl.float32)  # rounded where the reference's projection output is
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu, rounded as F.silu

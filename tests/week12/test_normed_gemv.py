@@ -318,27 +318,41 @@ def test_greedy_decode_with_the_norms_folded(tmp_path):
 # --------------------------------------------------------------------------- GPU
 
 
+def llama_1b_layer_bf16() -> tuple[ModelConfig, DecoderLayer]:
+    """A random layer of Llama-3.2-1B's shape in bf16, its weights at the usual scale of trained ones
+    (the stream stays O(1))."""
+    cfg = layer_config(hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64)
+    layer = random_layer(cfg).to(torch.bfloat16)
+    for name, p in layer.named_parameters():
+        if not name.endswith("norm.weight"):
+            p.mul_(0.02 / 0.15)
+    return cfg, layer
+
+
+def captured_layer(layer, x, residual, cos, sin, ctx):
+    """The hook run once (Triton compiles outside the capture), then captured in a CUDA graph ->
+    (the graph, the x and residual that its replays write)."""
+    assert fused_decoder_layer(layer, x, residual, cos, sin, ctx) is not None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_residual = fused_decoder_layer(layer, x, residual, cos, sin, ctx)
+    return graph, out, new_residual
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_fused_layer_in_a_cuda_graph_bf16():
     """Llama-3.2-1B's layer shape in bf16, compiled: the hook captured in a CUDA graph and replayed on
     new inputs gives the unfused layer's (x, residual) within bf16's tolerance (only the order of
     float32 sums differs, and the roundings that follow from it)."""
-    cfg = layer_config(hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64)
-    layer = random_layer(cfg).to(torch.bfloat16)
-    for name, p in layer.named_parameters():  # the usual scale of trained weights: the stream stays O(1)
-        if not name.endswith("norm.weight"):
-            p.mul_(0.02 / 0.15)
+    cfg, layer = llama_1b_layer_bf16()
     g = torch.Generator().manual_seed(11)
     ctx = PastContext(cfg, 37, g, torch.bfloat16)
     cos, sin = RotaryEmbedding(cfg)(torch.tensor([37], device="cuda"), torch.bfloat16)
     x = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
     residual = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
-    assert fused_decoder_layer(layer, x, residual, cos, sin, ctx) is not None  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, new_residual = fused_decoder_layer(layer, x, residual, cos, sin, ctx)
+    graph, out, new_residual = captured_layer(layer, x, residual, cos, sin, ctx)
     for _ in range(3):
         x.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
         residual.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
@@ -357,11 +371,7 @@ def test_qkv_rope_in_a_cuda_graph_bf16():
     inputs, gives the layer and the pool the hook gives with them in their own kernel."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: run on a GPU machine (see README, GPU track)")
-    cfg = layer_config(hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64)
-    layer = random_layer(cfg).to(torch.bfloat16)
-    for name, p in layer.named_parameters():
-        if not name.endswith("norm.weight"):
-            p.mul_(0.02 / 0.15)
+    cfg, layer = llama_1b_layer_bf16()
     g = torch.Generator().manual_seed(13)
     plain, fused = (paged_context(cfg, 9, g, 9, torch.bfloat16) for _ in range(2))
     fused.cache.k.copy_(plain.cache.k)  # one past for both
@@ -370,11 +380,7 @@ def test_qkv_rope_in_a_cuda_graph_bf16():
     x = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
     residual = torch.randn(1, 2048, generator=g).to("cuda", torch.bfloat16)
     fusion.switch_fusions("")
-    assert fused_decoder_layer(layer, x, residual, cos, sin, fused) is not None  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, new_residual = fused_decoder_layer(layer, x, residual, cos, sin, fused)
+    graph, out, new_residual = captured_layer(layer, x, residual, cos, sin, fused)
     for _ in range(3):
         x.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
         residual.copy_(torch.randn(1, 2048, generator=g).to("cuda"))
