@@ -7,7 +7,9 @@ At batch 1 the norm before a layer's qkv product can run in the product's own la
 not cuBLAS's. This times both in CUDA graphs of 50 calls (the launch's cost as the engine pays
 it), bf16, for the qkv and gate_up shapes: `add_rmsnorm` + `F.linear` against `normed_gemv`, and
 `add_rmsnorm` + `gate_up_silu_row` against `normed_gate_up_silu`; with --sweep, every block
-configuration of the normed qkv product, the fastest first. Prints µs a call (median of the
+configuration of the normed qkv product, the fastest first. It also times o_proj and down_proj
+through cuBLAS against `row_gemv` (switch `row-gemv`) and every block configuration of
+those two with --sweep-small, printing `BEST <name> (BLOCK_N, BLOCK_K, warps)`. Prints µs a call (median of the
 repeats) and the weights' bandwidth.
 """
 
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.fused import add_rmsnorm
-from nanoserve.kernels.normed_gemv import NORMED_GEMV_BLOCKS, gate_up_silu_row, normed_gate_up_silu, normed_gemv
+from nanoserve.kernels.normed_gemv import (DOWN_GEMV_BLOCKS, NORMED_GEMV_BLOCKS, O_GEMV_BLOCKS, gate_up_silu_row,
+                                          normed_gate_up_silu, normed_gemv, row_gemv)
 from nanoserve.model.layers import RMSNorm
 
 from bench_quant_matmul import timed as graph_time  # (scripts/ is on the path when run as a script)
@@ -33,7 +36,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="every block configuration of the normed qkv product")
+    ap.add_argument("--sweep-small", action="store_true", help="every block configuration of row_gemv for o and down")
     args = ap.parse_args()
     hidden, qkv, inter = SHAPES[args.shape]
     dev, dt = "cuda", torch.bfloat16
@@ -57,6 +61,28 @@ def main() -> None:
     print(f"  normed_gemv qkv {str(NORMED_GEMV_BLOCKS):14s}            {fused_qkv:7.2f}   ({gbps(qkv_bytes, fused_qkv):6.0f} GB/s)")
     print(f"  add_rmsnorm + gate_up_silu_row            {plain_gu:7.2f}   ({gbps(gate_up_bytes, plain_gu):6.0f} GB/s)")
     print(f"  normed_gate_up_silu                       {fused_gu:7.2f}   ({gbps(gate_up_bytes, fused_gu):6.0f} GB/s)")
+    o_proj = torch.nn.Linear(hidden, hidden, bias=False).to(dev, dt)  # (q heads x head_dim = hidden here)
+    down = torch.nn.Linear(inter, hidden, bias=False).to(dev, dt)
+    h_o = torch.randn(1, hidden, device=dev, dtype=dt, generator=g)
+    h_down = torch.randn(1, inter, device=dev, dtype=dt, generator=g)
+    small = {"o": (o_proj, h_o, O_GEMV_BLOCKS), "down": (down, h_down, DOWN_GEMV_BLOCKS)}
+    for name, (proj, h, cfg) in small.items():
+        nbytes = proj.weight.numel() * 2
+        cublas = timed(lambda: F.linear(h, proj.weight))
+        ours = timed(lambda: row_gemv(h, proj, cfg))
+        print(f"  cuBLAS {name:4s}                               {cublas:7.2f}   ({gbps(nbytes, cublas):6.0f} GB/s)")
+        print(f"  row_gemv {name:4s} {str(cfg):14s}           {ours:7.2f}   ({gbps(nbytes, ours):6.0f} GB/s)")
+    if args.sweep_small:
+        for name, (proj, h, _) in small.items():
+            nbytes, rows = proj.weight.numel() * 2, []
+            for cfg in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (2, 4, 8)):
+                if cfg[1] <= proj.weight.shape[1] and cfg[0] * cfg[1] <= 16384:
+                    rows.append((timed(lambda: row_gemv(h, proj, cfg)), cfg))
+            rows.sort()
+            print(f"row_gemv {name}, every configuration (BLOCK_N, BLOCK_K, warps), fastest first:")
+            for us, cfg in rows[:6]:
+                print(f"  {str(cfg):16s} {us:7.2f} µs   ({gbps(nbytes, us):6.0f} GB/s)")
+            print(f"BEST {name} {rows[0][1]}")
     if args.sweep:
         rows = []
         for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):

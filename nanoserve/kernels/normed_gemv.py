@@ -94,23 +94,29 @@ def _two_products(X, R, NW, W, rows_a, rows_b, in_rows, stride_w, k_dim, inv_rms
         in_cols = cols < k_dim
         x = _input_tile(X, R, NW, cols, in_cols, inv_rms, NORMED, HAS_RESIDUAL)[None, :]
         both = in_rows[:, None] & in_cols[None, :]
-        acc_a += tl.sum(tl.load(W + rows_a[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * x, 1)
-        acc_b += tl.sum(tl.load(W + rows_b[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32) * x, 1)
+        # both tiles' loads are issued before either sum: the GPU keeps twice the bytes in flight
+        w_a = tl.load(W + rows_a[:, None] * stride_w + cols[None, :], mask=both, other=0.0)
+        w_b = tl.load(W + rows_b[:, None] * stride_w + cols[None, :], mask=both, other=0.0)
+        acc_a += tl.sum(w_a.to(tl.float32) * x, 1)
+        acc_b += tl.sum(w_b.to(tl.float32) * x, 1)
     return acc_a, acc_b
 
 
 @triton.jit
-def _normed_gemv_kernel(X, R, NW, S, W, B, Y, stride_w, n_out, k_dim, eps, HAS_RESIDUAL: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One row: y = rmsnorm(x + residual) · Wᵀ (+ b), BLOCK_N outputs per program.
+def _normed_gemv_kernel(X, R, NW, S, W, B, Y, stride_w, n_out, k_dim, eps, NORMED: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    # One row: y = rmsnorm(x + residual) · Wᵀ (+ b), BLOCK_N outputs per program; not NORMED: y = x · Wᵀ (+ b).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < n_out
-    inv_rms = _row_inv_rms(X, R, S, k_dim, eps, HAS_RESIDUAL, BLOCK_K)
+    inv_rms = 1.0
+    if NORMED:
+        inv_rms = _row_inv_rms(X, R, S, k_dim, eps, HAS_RESIDUAL, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         in_cols = cols < k_dim
-        h = _input_tile(X, R, NW, cols, in_cols, inv_rms, True, HAS_RESIDUAL)[None, :]
+        h = _input_tile(X, R, NW, cols, in_cols, inv_rms, NORMED, HAS_RESIDUAL)[None, :]
         both = in_rows[:, None] & in_cols[None, :]
         w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=both, other=0.0).to(tl.float32)
         acc += tl.sum(w * h, axis=1)
@@ -185,6 +191,8 @@ GATE_UP_BLOCKS = (4, 1024, 4)  # BLOCK_N, BLOCK_K, warps: the best of 8 tried on
 # for the plain form; the normed form runs with them too, untuned (its prologue reads the row twice more)
 QKV_ROPE_BLOCKS = (2, 2048, 4)  # pairs a program (two rows of W each), BLOCK_K, warps: as NORMED_GEMV_BLOCKS' 4 rows; untuned
 NORMED_GEMV_BLOCKS = (4, 2048, 4)  # BLOCK_N, BLOCK_K, warps for the normed qkv product: the best of 60 on an H100 (scripts/bench_normed_gemv.py --sweep)
+O_GEMV_BLOCKS = (2, 2048, 4)  # row_gemv for o_proj and down_proj (switch `row-gemv`): BLOCK_N, BLOCK_K, warps,
+DOWN_GEMV_BLOCKS = (1, 2048, 4)  # the best of 48 each on an H100 (scripts/bench_normed_gemv.py --sweep-small)
 
 
 def plain_product(proj: torch.nn.Module, bias_ok: bool = False) -> bool:
@@ -233,10 +241,24 @@ def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, p
     r = x if residual is None else residual
     block_n, block_k, warps = config or NORMED_GEMV_BLOCKS
     _normed_gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, r, norm.weight, s, w, w if bias is None else bias, y, w.stride(0), n_out, k_dim, norm.eps,
+        x, r, norm.weight, s, w, w if bias is None else bias, y, w.stride(0), n_out, k_dim, norm.eps, NORMED=True,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
     return y, s
+
+
+def row_gemv(x: torch.Tensor, proj: torch.nn.Module, config: tuple[int, int, int]) -> torch.Tensor:
+    """x [1, K] · Wᵀ of a plain product (`plain_product(proj)`) through the same kernel, with no norm
+    -> [1, N]. cuBLAS's GEMV for o_proj and down_proj reaches about half and three quarters of the copy
+    bandwidth at batch 1 on an H100 (docs/benchmarks.md); `config` is (BLOCK_N, BLOCK_K, warps)."""
+    w = proj.weight
+    n_out, k_dim = w.shape
+    y = x.new_empty(1, n_out)
+    block_n, block_k, warps = config
+    _normed_gemv_kernel[(triton.cdiv(n_out, block_n),)](  # (x stands in for what the kernel does not read)
+        x, x, x, x, w, w, y, w.stride(0), n_out, k_dim, 0.0, NORMED=False, HAS_RESIDUAL=False, HAS_BIAS=False,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y
 
 
 def normed_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, attn: torch.nn.Module,
@@ -307,9 +329,17 @@ def fused_decoder_layer(layer: torch.nn.Module, x: torch.Tensor, residual: torch
         k = k.view(1, attn.num_kv_heads, attn.head_dim)
         v = v.view(1, attn.num_kv_heads, attn.head_dim)
         out = ctx.attend(attn.layer_idx, q, k, v, cos, sin)  # [1, Hq, D]
-    x = attn.o_proj(out.reshape(1, attn.q_size))
+    x = _small_product(out.reshape(1, attn.q_size), attn.o_proj, O_GEMV_BLOCKS)
     if not fusion_on("mlp-norm"):
         h, residual = layer.post_attention_layernorm(x, residual)
         return mlp(h), residual
     h, residual = normed_gate_up_silu(x, residual, layer.post_attention_layernorm, mlp.gate_up_proj.weight)
-    return mlp.down_proj(h), residual
+    return _small_product(h, mlp.down_proj, DOWN_GEMV_BLOCKS), residual
+
+
+def _small_product(x: torch.Tensor, proj: torch.nn.Module, config: tuple[int, int, int]) -> torch.Tensor:
+    """o_proj or down_proj of one row: `row_gemv` with the switch `row-gemv` on and a plain product
+    (not week 18's row-parallel slice, whose sum needs an all-reduce); else the module's own forward."""
+    if fusion_on("row-gemv") and plain_product(proj):
+        return row_gemv(x, proj, config)
+    return proj(x)

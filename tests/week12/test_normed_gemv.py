@@ -19,7 +19,8 @@ from nanoserve.testing import make_checkpoint, tiny_config
 pytest.importorskip("triton", reason="week 12's kernels need the triton package: pip install triton (Linux)")
 from nanoserve.kernels import fusion  # noqa: E402
 from nanoserve.kernels.normed_gemv import (  # noqa: E402
-    NORMED_GEMV_BLOCKS, fused_decoder_layer, gate_up_silu_row, normed_gate_up_silu, normed_gemv, normed_qkv_rope)
+    NORMED_GEMV_BLOCKS, fused_decoder_layer, gate_up_silu_row, normed_gate_up_silu, normed_gemv, normed_qkv_rope,
+    row_gemv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,6 +74,45 @@ def test_normed_gemv_is_the_norm_then_the_product(with_residual, bias, config):
         close(y, proj(h))
         assert torch.equal(new_residual, expected_sum)  # one rounded add, as the reference's
         assert torch.equal(residual, before) and new_residual.data_ptr() != residual.data_ptr()  # a fresh tensor
+
+
+@pytest.mark.parametrize("config", [(4, 2048, 4), (8, 256, 2), (1, 4096, 8)], ids=["one-tile", "tiles", "one-row"])
+@torch.no_grad()
+def test_row_gemv_is_the_product(config):
+    """`row_gemv` (o_proj and down_proj at batch 1, switch `row-gemv`): x·Wᵀ, for sizes that are no
+    multiple of the blocks (the last program's rows and the last tile's columns masked)."""
+    g = torch.Generator().manual_seed(11)
+    for n_out, k_dim in ((200, 328), (72, 1000)):
+        proj = torch.nn.Linear(k_dim, n_out, bias=False).to(DEVICE)
+        proj.weight.data = torch.randn(n_out, k_dim, generator=g).to(DEVICE)
+        x = torch.randn(1, k_dim, generator=g).to(DEVICE)
+        got = row_gemv(x, proj, config)
+        assert got.shape == (1, n_out)
+        torch.testing.assert_close(got, F.linear(x, proj.weight), rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_hook_keeps_a_projection_that_is_not_plain():
+    """With `row-gemv` on, an o_proj or down_proj that is more than x·Wᵀ (LoRA, quantized: here a
+    subclass that adds one) still runs its own forward inside the hook."""
+    cfg = layer_config()
+    x, residual, cos, sin, ctx = layer_inputs(cfg, torch.Generator().manual_seed(12), True)
+
+    class PlusOne(torch.nn.Linear):
+        def forward(self, h):
+            return super().forward(h) + 1.0
+
+    for name in ("o", "down"):
+        layer = random_layer(cfg)
+        owner, attr = (layer.self_attn, "o_proj") if name == "o" else (layer.mlp, "down_proj")
+        old = getattr(owner, attr)
+        new = PlusOne(old.in_features, old.out_features, bias=False).to(DEVICE)
+        new.weight.data = old.weight.data.clone()
+        setattr(owner, attr, new)
+        expected = layer(x, residual, cos, sin, ctx)
+        got = fused_decoder_layer(layer, x, residual, cos, sin, ctx)
+        close(got[0], expected[0])
+        close(got[1], expected[1])
 
 
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
@@ -132,7 +172,8 @@ def layer_inputs(cfg: ModelConfig, g: torch.Generator, with_residual: bool, past
     return x, residual, cos, sin, PastContext(cfg, past, g)
 
 
-@pytest.mark.parametrize("off", ["", "qkv-norm", "mlp-norm"], ids=["both-norms", "mlp-norm-only", "qkv-norm-only"])
+@pytest.mark.parametrize("off", ["", "qkv-norm", "mlp-norm", "row-gemv"],
+                         ids=["both-norms", "mlp-norm-only", "qkv-norm-only", "cublas-o-and-down"])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
 @torch.no_grad()
