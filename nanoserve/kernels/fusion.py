@@ -20,20 +20,22 @@ issue 39, 2026-11-27) two of them made the step slower than the kernels they rep
 the attention's launch (9.7 µs a layer against 3.9 + 2.0) and the one-launch argmax (3.7 µs against
 two launches of about 3). Both norm fusions pay, the qkv one only once its blocks were tuned (7.2 µs
 a layer in the step against about 6 for cuBLAS's plus a 1.8 µs norm; untuned it took 12.5). `DEFAULT_OFF`
-switches the two losers off; they stay in the tree, tested, to measure again. A fifth, `qkv-rope`
-(RoPE and the K/V write in the epilogue of the normed qkv product: 16 launches fewer a step), was
-built after that lease and stays off until a GPU has measured it.
+switches the two losers off; they stay in the tree, tested, to measure again. Two more were measured
+in a second lease and are on: `qkv-rope` (RoPE and the K/V write in the epilogue of the normed qkv
+product, 16 launches fewer a step: 777.8 tok/s against 757.2) and `row-gemv` (o_proj and down_proj
+through the same Triton GEMV instead of cuBLAS's: 858.7 against 813.3).
 
 To measure each fusion alone (A/B on one GPU), name the ones to switch off in an environment
 variable read when the first step runs, or by `switch_fusions` in the same process:
 
-    (unset)                            DEFAULT_OFF: argmax, merge and qkv-rope off, both norms on
+    (unset)                            DEFAULT_OFF: argmax and merge off, the other four on
     NANOSERVE_FUSE_OFF=                (set, empty) every fusion on
     NANOSERVE_FUSE_OFF=argmax          the argmax takes its two kernels (slices, then pick)
     NANOSERVE_FUSE_OFF=merge           the split attention launches its merge kernel
     NANOSERVE_FUSE_OFF=qkv-norm        the qkv product is cuBLAS's, after an add_rmsnorm launch
     NANOSERVE_FUSE_OFF=mlp-norm        gate_up·SiLU reads a row an add_rmsnorm launch wrote
     NANOSERVE_FUSE_OFF=qkv-rope        the normed qkv product leaves RoPE and the K/V write to their kernel
+    NANOSERVE_FUSE_OFF=row-gemv        o_proj and down_proj through cuBLAS (the module's own forward)
     NANOSERVE_FUSE_OFF=norm            both norms; `all` switches every one off; lists: argmax,merge
 
 `--no-fused-kernels` switches them all off too (with week 12's other fused kernels).

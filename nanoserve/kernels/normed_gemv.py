@@ -24,7 +24,10 @@ other programs are still reading.
     qkv (normed by input_layernorm) -> attention (+ the K/V write) -> o_proj
         -> gate_up_silu (normed by post_attention_layernorm) -> down_proj
 
-two launches fewer than with `add_rmsnorm` before each product: 32 for a 16-layer model. Each of
+two launches fewer than with `add_rmsnorm` before each product: 32 for a 16-layer model. With
+`qkv-rope` the qkv product also rotates q and k and writes k and v into the pool (`normed_qkv_rope`),
+and with `row-gemv` o_proj and down_proj run through the same kernel without the norm (`row_gemv`),
+where cuBLAS's GEMV read these two small weights at 48% and 72% of the copy bandwidth on an H100. Each of
 the two is its own switch (`nanoserve/kernels/fusion.py`): `qkv-norm` and `mlp-norm`, both on by
 default. Measured on an H100, the normed qkv product pays only with its blocks tuned (four outputs a
 program, the whole row of 2,048 in one tile): it is a Triton GEMV standing in for cuBLAS's, and with
