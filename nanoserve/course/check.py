@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ CAPSTONE = "weeks/capstone/README.md"
 ALL_WEEKS_MINUTES = 30
 SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR) (\S+\.py(?:::.*?)?)(?: - (.*))?$")  # pytest -rfEp's lines
 PROGRESS = ".FEsxX"  # what pytest -q prints for each test as it runs
+RUN_LIMIT_S = 1800  # one pytest run of `run_tests` is stopped after this; a week's fast tests take minutes
 
 
 def command(tool: str) -> str:
@@ -75,26 +77,44 @@ class PytestRun:
 
 
 def run_tests(targets: list[str], workspace: Path | None, extra: list[str] | None = None,
-              echo: Callable[[str], None] | None = None) -> PytestRun:
+              echo: Callable[[str], None] | None = None, limit_s: float = RUN_LIMIT_S) -> PytestRun:
     """Run pytest on `targets` (folders, files or node ids; fast tests only) against a workspace
     (or the reference if None), in a fresh interpreter so that `import nanoserve` finds it.
-    `echo` gets pytest's progress characters (`.`, `F`, ...) as they come: a run takes minutes."""
+    `echo` gets pytest's progress characters (`.`, `F`, ...) as they come: a run takes minutes.
+    A run still going after `limit_s` is killed, and its output says so; 30 s before that, pytest's
+    faulthandler prints every thread's stack, which is where it hung."""
     env = dict(os.environ)
     env.pop(ENV_VAR, None)
     if workspace is not None:
         env[ENV_VAR] = str(Path(workspace).resolve())
     env["COLUMNS"] = "1000"  # the short summary cuts each failure's message at the terminal's width
     cmd = [sys.executable, "-m", "pytest", *targets, "-m", "not slow", "-q", "-p", "no:cacheprovider",
-           "--tb=line", "-rfEp", "--continue-on-collection-errors"] + (extra or [])
+           "--tb=line", "-rfEp", "--continue-on-collection-errors",
+           "-o", f"faulthandler_timeout={max(1, int(limit_s) - 30)}"] + (extra or [])
     proc = subprocess.Popen(cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = threading.Event()
+
+    def stop() -> None:  # the read below ends when the killed process's pipe closes
+        stopped.set()
+        proc.kill()
+
+    watchdog = threading.Timer(limit_s, stop)
+    watchdog.start()
     chars, line, reports = [], "", False
-    for ch in iter(lambda: proc.stdout.read(1), ""):
-        chars.append(ch)
-        line = "" if ch == "\n" else line + ch
-        reports = reports or line == "="  # the "=====" line after the progress: the reports begin
-        if echo is not None and not reports and ch in PROGRESS and not line.strip(PROGRESS):
-            echo(ch)
-    run = PytestRun(proc.wait(), "".join(chars))
+    try:
+        for ch in iter(lambda: proc.stdout.read(1), ""):
+            chars.append(ch)
+            line = "" if ch == "\n" else line + ch
+            reports = reports or line == "="  # the "=====" line after the progress: the reports begin
+            if echo is not None and not reports and ch in PROGRESS and not line.strip(PROGRESS):
+                echo(ch)
+    finally:
+        watchdog.cancel()
+    code = proc.wait()
+    if stopped.is_set():
+        chars.append(f"\nnanoserve check: pytest {' '.join(targets)} ran past {limit_s:g} s and was stopped"
+                     " (the stacks above, from pytest's faulthandler, show where it hung)\n")
+    run = PytestRun(code, "".join(chars))
     summary = run.output[run.output.rfind("short test summary info"):]  # not the tests' own output
     for line in summary.splitlines():
         m = SUMMARY.match(line)

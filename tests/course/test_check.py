@@ -192,3 +192,14 @@ def test_check_exercise_runs_for_real(solved, capsys):
     assert main(["--workspace", str(solved), "check", "--exercise", "week04:slot-of"]) == 0
     out = capsys.readouterr().out
     assert "Tests: 1 passed" in out and "[x] slot-of" in out
+
+
+def test_a_run_that_hangs_is_stopped_and_says_so(tmp_path):
+    """`run_tests` kills a pytest run still going after its limit, and its output says which run and
+    how long; the returned code is not 0, so `check` reports it as not passing."""
+    hangs = tmp_path / "test_hangs.py"
+    hangs.write_text("import time\n\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    run = checking.run_tests([str(hangs)], None, limit_s=8)
+    assert run.returncode != 0
+    assert "ran past 8 s and was stopped" in run.output and str(hangs) in run.output
+    assert "no tests ran" in run.summary or "passed" not in run.summary
