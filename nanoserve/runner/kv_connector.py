@@ -357,7 +357,7 @@ class KVConnector:
         if self._stop.is_set():
             return
         with self.lock:
-            self.broken, self.group = why, None
+            self.broken, group, self.group = why, self.group, None
             self.held.clear()
             for pull in self.pending.values():  # reported by the next `landed`
                 pull.error = why
@@ -365,6 +365,7 @@ class KVConnector:
             self.finished.set()
         while not self.to_pull.empty():
             self.to_pull.get_nowait()
+        release(group)
 
     def stats(self) -> dict:
         """Transfers so far: how many and how many bytes each way, the failed ones, the seconds the
@@ -380,11 +381,22 @@ class KVConnector:
             return len(self.held) + len(self.pending)
 
     def close(self) -> None:
-        """Stop the thread (it notices within half a second) and drop what is held."""
+        """Stop the thread (it notices within half a second), drop what is held, and end the group."""
         self._stop.set()
         with self.lock:
             self.held.clear()
         self.thread.join(timeout=2.0)
+        with self.lock:
+            group, self.group = self.group, None
+        release(group)
+
+
+def release(group) -> None:
+    """End a connector's two-rank group now, not at process exit: its communicators and sockets go
+    (an NCCL group left to its destructor warns that it was never destroyed). `abort`, not a shutdown
+    that flushes: the peer may be gone, and nothing of this group's is wanted after it."""
+    if group is not None:
+        group.abort()
 
 
 class HostConnector(KVConnector):

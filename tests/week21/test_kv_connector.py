@@ -50,6 +50,18 @@ def pair():
     decode.close()
 
 
+def test_close_ends_the_group_and_can_be_called_twice(pair):
+    """`close` ends the two-rank group there and then (`release`), not at process exit."""
+    prefill, decode = pair
+    deadline = time.monotonic() + 10.0
+    while not (prefill.stats()["connected"] and decode.stats()["connected"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefill.stats()["connected"] and decode.stats()["connected"]
+    for side in (prefill, decode, prefill):
+        side.close()
+        assert not side.stats()["connected"] and not side.thread.is_alive()
+
+
 def test_read_and_write_blocks_are_inverse():
     a, b = pools()
     data = a.read_blocks([4, 1, 7])
@@ -207,8 +219,7 @@ def test_bad_settings_are_refused_in_one_line():
 @pytest.mark.gpu
 def test_the_nccl_connector_moves_blocks_between_two_gpus():
     """The NCCL transport, GPU to GPU in one process (each connector's thread on its own GPU):
-    bit for bit, an unknown id, then a transfer after it. Not run yet: no machine with two GPUs
-    has run the week-21 tests (PLAN.md)."""
+    bit for bit, an unknown id, then a transfer after it; `close` ends both NCCL groups."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     torch.manual_seed(0)
@@ -234,3 +245,4 @@ def test_the_nccl_connector_moves_blocks_between_two_gpus():
     finally:
         prefill.close()
         decode.close()
+    assert not prefill.stats()["connected"] and not decode.stats()["connected"]
