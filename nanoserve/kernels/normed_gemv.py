@@ -27,9 +27,9 @@ other programs are still reading.
 two launches fewer than with `add_rmsnorm` before each product: 32 for a 16-layer model. With
 `qkv-rope` the qkv product also rotates q and k and writes k and v into the pool (`normed_qkv_rope`),
 and with `row-gemv` o_proj and down_proj run through the same kernel without the norm (`row_gemv`),
-where cuBLAS's GEMV read these two small weights at 48% and 72% of the copy bandwidth on an H100. Each of
-the two is its own switch (`nanoserve/kernels/fusion.py`): `qkv-norm` and `mlp-norm`, both on by
-default. Measured on an H100, the normed qkv product pays only with its blocks tuned (four outputs a
+where cuBLAS's GEMV read these two small weights at 48% and 72% of the copy bandwidth on an H100. Each
+of the two norms is its own switch (`nanoserve/kernels/fusion.py`): `qkv-norm` and `mlp-norm`, both on
+by default. Measured on an H100, the normed qkv product pays only with its blocks tuned (four outputs a
 program, the whole row of 2,048 in one tile): it is a Triton GEMV standing in for cuBLAS's, and with
 the first blocks tried it lost more than the norm's launch saved. NANOSERVE_FUSE_OFF=norm gives both
 separate norms back.
