@@ -108,6 +108,9 @@ def run_tests(targets: list[str], workspace: Path | None, extra: list[str] | Non
             reports = reports or line == "="  # the "=====" line after the progress: the reports begin
             if echo is not None and not reports and ch in PROGRESS and not line.strip(PROGRESS):
                 echo(ch)
+    except BaseException:  # Ctrl-C or an echo that raised: the child pytest must not outlive this call
+        proc.kill()
+        raise
     finally:
         watchdog.cancel()
     code = proc.wait()

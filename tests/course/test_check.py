@@ -203,3 +203,25 @@ def test_a_run_that_hangs_is_stopped_and_says_so(tmp_path):
     assert run.returncode != 0
     assert "ran past 8 s and was stopped" in run.output and str(hangs) in run.output
     assert "no tests ran" in run.summary or "passed" not in run.summary
+
+
+def test_an_interrupted_run_leaves_no_pytest_behind(tmp_path, monkeypatch):
+    """If the caller stops reading (here: `echo` raises, as Ctrl-C would), the pytest child is killed."""
+    import subprocess as sp
+
+    hangs = tmp_path / "test_hangs_too.py"
+    hangs.write_text("import time\n\n\ndef test_a():\n    pass\n\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    started = []
+    real_popen = sp.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def echo(ch):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checking.subprocess, "Popen", popen)
+    with pytest.raises(KeyboardInterrupt):
+        checking.run_tests([str(hangs)], None, echo=echo, limit_s=60)
+    assert started and started[0].wait(timeout=10) != 0
