@@ -1,8 +1,10 @@
 """Shared pytest setup: float32 determinism, a gpu marker that explains its skip, and Triton's
 interpreter on machines without a GPU (it must be switched on before triton is first imported)."""
 
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # The learner's workspace (see nanoserve/course/workspace.py): when NANOSERVE_WORKSPACE names one, its
@@ -30,7 +32,66 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# ------------------------------------------------------------------ xdist groups
+# `--dist loadgroup` (.ci/run) runs the tests marked `xdist_group(NAME)` on one worker: the large models
+# never side by side, a GGUF file converted once per group, the pipeline stages one test at a time.
+# pytest-xdist 3.8 does it by appending "@NAME" to each such test's node id on the workers, which pytest 9
+# no longer lets a plugin do (a node id is now computed from the node, not stored): the groups were
+# silently gone, and the Gemma 3 file was converted on both workers. So the workers write each grouped
+# test's group to a file, and the controller's scheduler (xdist's hook `pytest_xdist_make_scheduler`)
+# reads its work units from it.
+GROUPS_FILE = "NANOSERVE_XDIST_GROUPS_FILE"  # set by the controller, inherited by the workers it starts
+
+
+def pytest_configure(config):
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="nanoserve-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE] = path
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(GROUPS_FILE):
+        Path(os.environ.pop(GROUPS_FILE)).unlink(missing_ok=True)
+
+
+def _write_groups(items) -> None:
+    """On a worker: {node id: group} of the grouped tests, where the controller reads it (every worker
+    collects the same tests; each writes the whole map and renames it into place)."""
+    groups = {}
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names:
+            groups[item.nodeid] = "_".join(names)
+    path = Path(os.environ[GROUPS_FILE])
+    mine = path.with_name(f"{path.name}.{os.environ.get('PYTEST_XDIST_WORKER', 'worker')}")
+    mine.write_text(json.dumps(groups))
+    os.replace(mine, path)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup" or not os.environ.get(GROUPS_FILE):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class MarkedGroups(LoadGroupScheduling):
+        """Work units: a group's tests together, every other test alone. The workers have written the
+        groups by the time the controller splits the collection (after every worker reported it)."""
+        groups = None
+
+        def _split_scope(self, nodeid):
+            if self.groups is None:
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE]).read_text() or "{}")
+            return self.groups.get(nodeid, nodeid)
+
+    return MarkedGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput") and os.environ.get(GROUPS_FILE):
+        _write_groups(items)
     # The tests of the tests (tests/course/test_workspace.py) run last: they take a good part of the
     # suite's time re-running every week on its own workspace, and a broken week shows sooner, and
     # more plainly, in its own tests. (A stable sort: every other test keeps its place.)
