@@ -43,16 +43,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 GROUPS_FILE = "NANOSERVE_XDIST_GROUPS_FILE"  # set by the controller, inherited by the workers it starts
 
 
+_made_here: list[str] = []  # the groups file this process made (a test's own pytest inherits the variable)
+
+
 def pytest_configure(config):
     if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
         fd, path = tempfile.mkstemp(prefix="nanoserve-xdist-groups-", suffix=".json")
         os.close(fd)
         os.environ[GROUPS_FILE] = path
+        _made_here.append(path)
 
 
 def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput") and os.environ.get(GROUPS_FILE):
-        Path(os.environ.pop(GROUPS_FILE)).unlink(missing_ok=True)
+    while _made_here:
+        Path(_made_here.pop()).unlink(missing_ok=True)
 
 
 def _write_groups(items) -> None:
