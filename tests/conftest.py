@@ -39,7 +39,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # no longer lets a plugin do (a node id is now computed from the node, not stored): the groups were
 # silently gone, and the Gemma 3 file was converted on both workers. So the workers write each grouped
 # test's group to a file, and the controller's scheduler (xdist's hook `pytest_xdist_make_scheduler`)
-# reads its work units from it.
+# reads its work units from it. It overrides `_split_scope`, an internal method of xdist 3.8's
+# LoadGroupScheduling (the one place it decides a test's unit): tests/test_xdist_groups.py fails if a
+# later xdist changes that.
 GROUPS_FILE = "NANOSERVE_XDIST_GROUPS_FILE"  # set by the controller, inherited by the workers it starts
 
 
